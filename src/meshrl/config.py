@@ -1,0 +1,263 @@
+"""Run configuration: nested dataclasses with defaults, validated in `__post_init__`.
+
+Every check that can be made before a process is spawned is made here, so a bad command line fails in
+milliseconds with a message that names the numbers that disagree. Presets live in `meshrl.configs`; the
+CLI (tyro) is built over these same classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with the run configuration."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """HF-format checkpoint dir (config.json, model.safetensors, tokenizer) to start from. If unset, a model of
+    `flavor` is initialised at random (seeded) and saved into the run directory first."""
+    flavor: str = "tiny"
+    """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU) or a torchtitan Qwen3
+    flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B')."""
+    attn_backend: Literal["sdpa", "flex"] = "sdpa"
+    """Trainer attention kernel. 'sdpa' works everywhere; 'flex' (torchtitan's default) needs a GPU for backward."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer parameter dtype (FSDP mixed-precision param dtype)."""
+    seed: int = 0
+    """Seed of the random initialisation (used only without `path`)."""
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.flavor != "tiny":
+            from meshrl.models.qwen3 import TITAN_FLAVORS
+
+            if self.flavor not in TITAN_FLAVORS:
+                raise ConfigError(
+                    f"model.flavor={self.flavor!r} is unknown; use 'tiny' or one of {sorted(TITAN_FLAVORS)}, "
+                    "or set model.path to an HF checkpoint dir"
+                )
+
+
+@dataclass
+class TrainerConfig:
+    num_procs: int = 2
+    """Trainer processes (FSDP2 data-parallel shards)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    micro_batch_size: int = 32
+    """Sequences per `forward_backward` call, summed over all trainer ranks."""
+    num_threads: int = 1
+    """torch threads per trainer process (CPU); the cores are shared by every process."""
+
+    def __post_init__(self) -> None:
+        if self.num_procs < 1:
+            raise ConfigError(f"trainer.num_procs={self.num_procs} must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.micro_batch_size % self.num_procs:
+            raise ConfigError(
+                f"trainer.micro_batch_size={self.micro_batch_size} is not divisible by "
+                f"trainer.num_procs={self.num_procs}: every rank needs the same number of sequences; "
+                f"use a multiple of {self.num_procs}"
+            )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate; the controller computes the per-step value and passes it to `optim_step`."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    """Final LR of the cosine / linear decay, as a fraction of `lr`."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr={self.lr} must be > 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas={self.betas} must each be in [0, 1)")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0")
+
+
+@dataclass
+class GeneratorConfig:
+    num_replicas: int = 1
+    """Generator processes, each one engine; prompts are spread over them."""
+    engine: Literal["vllm"] = "vllm"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Engine dtype; trainer weights are cast to it on the way (the transfer dtype)."""
+    max_model_len: int = 64
+    """Longest prompt + completion the engine accepts (tokens)."""
+    kv_cache_memory_bytes: int = 64 * 2**20
+    gpu_memory_utilization: float = 0.5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    """Longest completion (tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ConfigError(f"generator.num_replicas={self.num_replicas} must be >= 1")
+        if self.max_tokens >= self.max_model_len:
+            raise ConfigError(
+                f"generator.max_tokens={self.max_tokens} leaves no room for a prompt within "
+                f"generator.max_model_len={self.max_model_len}; raise max_model_len or lower max_tokens"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"generator.temperature={self.temperature}: RL sampling needs temperature > 0 "
+                "(greedy decoding is used for evaluation only)"
+            )
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 40
+    """RL steps (one optimiser step each)."""
+    prompts_per_step: int = 16
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are relative to the group."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style advantages."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"grpo.steps={self.steps} must be >= 0")
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"grpo.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"grpo.group_size={self.group_size}: group-relative advantages need at least 2 completions "
+                "per prompt"
+            )
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError(
+                f"grpo.clip_low={self.clip_low} must be in [0, 1) and grpo.clip_high={self.clip_high} >= 0"
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the task's demonstrations before RL (cross-entropy on response tokens)."""
+
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ConfigError(
+                f"warmup: steps={self.steps} must be >= 0, batch_size={self.batch_size} >= 1, lr={self.lr} > 0"
+            )
+
+
+@dataclass
+class TaskConfig:
+    name: Literal["reverse"] = "reverse"
+    """Built-in verifiable task: 'reverse' (reverse a string of letters)."""
+    num_train: int = 2000
+    num_eval: int = 100
+    min_len: int = 2
+    max_len: int = 5
+    alphabet: str = "abcdefgh"
+    seed: int = 1234
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"char_match": 1.0})
+    """Reward functions of the task and their weights; the reward is the weighted sum."""
+
+    def __post_init__(self) -> None:
+        if self.num_train < 1:
+            raise ConfigError(f"task.num_train={self.num_train}: the training set is empty")
+        if self.num_eval < 1:
+            raise ConfigError(f"task.num_eval={self.num_eval}: the held-out set is empty")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ConfigError(f"task: need 1 <= min_len ({self.min_len}) <= max_len ({self.max_len})")
+        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet.isalpha():
+            raise ConfigError(f"task.alphabet={self.alphabet!r} must be distinct letters")
+        if not self.reward_weights:
+            raise ConfigError("task.reward_weights is empty: name at least one reward function")
+        from meshrl.rewards import check_reward_weights
+
+        try:
+            check_reward_weights(self.reward_weights)
+        except ValueError as e:
+            raise ConfigError(f"task.reward_weights: {e}") from None
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs"
+    name: str | None = None
+    """Run directory name under output_dir; default: a timestamp."""
+    seed: int = 0
+    """Controller seed (prompt order, sampling seeds)."""
+    eval_max_tokens: int | None = None
+    """Completion budget for greedy evaluation; default: generator.max_tokens."""
+    call_timeout_s: float = 600.0
+    """Longest wait for any one actor call before the run fails instead of hanging."""
+
+
+@dataclass
+class GRPORunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        validate_batch_arithmetic(
+            global_batch_size=self.grpo.global_batch_size,
+            micro_batch_size=self.trainer.micro_batch_size,
+            dp=self.trainer.num_procs,
+            what=f"grpo.prompts_per_step={self.grpo.prompts_per_step} × grpo.group_size={self.grpo.group_size}",
+        )
+        if self.warmup.steps:
+            validate_batch_arithmetic(
+                global_batch_size=self.warmup.batch_size,
+                micro_batch_size=self.trainer.micro_batch_size,
+                dp=self.trainer.num_procs,
+                what=f"warmup.batch_size={self.warmup.batch_size}",
+            )
+        longest_prompt = self.task.max_len + 1  # letters + '='
+        if longest_prompt + self.generator.max_tokens > self.generator.max_model_len:
+            raise ConfigError(
+                f"task prompts are up to {longest_prompt} tokens and generator.max_tokens="
+                f"{self.generator.max_tokens}, which exceeds generator.max_model_len="
+                f"{self.generator.max_model_len}; raise max_model_len to at least "
+                f"{longest_prompt + self.generator.max_tokens}"
+            )
+
+
+def validate_batch_arithmetic(*, global_batch_size: int, micro_batch_size: int, dp: int, what: str) -> int:
+    """Return the number of micro-batches per optimiser step, or raise saying which numbers disagree."""
+    if global_batch_size % micro_batch_size:
+        divisors = [m for m in range(dp, global_batch_size + 1, dp) if global_batch_size % m == 0]
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} ({what}) is not divisible by "
+            f"trainer.micro_batch_size={micro_batch_size} (split over trainer.num_procs={dp}); "
+            f"micro batch sizes that work: {divisors}"
+        )
+    return global_batch_size // micro_batch_size

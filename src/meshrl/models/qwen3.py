@@ -1,0 +1,217 @@
+"""torchtitan's Qwen3 family with HF checkpoints in and out.
+
+The HF `config.json` is the source of truth for the architecture: we build the torchtitan config from it, so
+any Qwen3 checkpoint a transformers or vLLM user has loads here, and what we save (through torchtitan's
+`Qwen3StateDictAdapter`) loads there. A model without a checkpoint is first initialised at random and saved
+in HF format, so every run starts from a directory the generator can load too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The HF config of the 'tiny' CPU flavor; vocab_size comes from the task's tokenizer.
+TINY_HF_CONFIG: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TITAN_FLAVORS = {"0.6B", "1.7B", "4B", "8B", "14B", "32B"}
+
+
+def hf_config_dict(flavor: str, vocab_size: int) -> dict[str, Any]:
+    """A transformers Qwen3Config (as a dict) for a named flavor."""
+    if flavor == "tiny":
+        fields = dict(TINY_HF_CONFIG)
+    elif flavor in TITAN_FLAVORS:
+        from torchtitan.models.qwen3 import qwen3_configs
+
+        tc = qwen3_configs[flavor]("flex")
+        attn = tc.layers[0].attention
+        fields = dict(
+            hidden_size=tc.dim,
+            intermediate_size=tc.layers[0].feed_forward.w1.out_features,
+            num_hidden_layers=len(tc.layers),
+            num_attention_heads=attn.n_heads,
+            num_key_value_heads=attn.n_kv_heads,
+            head_dim=attn.head_dim,
+            max_position_embeddings=attn.rope.max_seq_len,
+            rope_theta=attn.rope.theta,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=tc.enable_weight_tying,
+        )
+    else:
+        raise ValueError(f"unknown Qwen3 flavor {flavor!r}; use 'tiny' or one of {sorted(TITAN_FLAVORS)}")
+    from transformers import Qwen3Config
+
+    rope_theta = fields.pop("rope_theta")
+    cfg = Qwen3Config(
+        vocab_size=vocab_size,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        architectures=["Qwen3ForCausalLM"],
+        **fields,
+    )
+    return cfg.to_dict()
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    rp = hf.get("rope_parameters") or {}
+    if rp.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rp.get('rope_type')!r} is not supported by the torchtitan Qwen3 backend")
+    return float(rp.get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+
+
+def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
+    """torchtitan Qwen3Model.Config matching an HF Qwen3 config dict."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_SKIP_INIT,
+        _LINEAR_INIT,
+        _build_qwen3_layers,
+        _qwen3_norm,
+        Qwen3Model,
+    )
+
+    if hf.get("model_type") not in (None, "qwen3"):
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not Qwen3; the torchtitan backend loads Qwen3 only")
+    dim, vocab = hf["hidden_size"], hf["vocab_size"]
+    head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
+    cfg = Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=_qwen3_norm(dim),
+        enable_weight_tying=bool(hf.get("tie_word_embeddings", False)),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_SKIP_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_layers(
+            n_layers=hf["num_hidden_layers"],
+            dim=dim,
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=head_dim,
+            hidden_dim=hf["intermediate_size"],
+            attn_backend="flex",
+            # Separate wq/wk/wv: DCP's full-state-dict loading cannot copy into the fused wqkv parameter
+            # (its state-dict hooks split it, so the names do not match a parameter).
+            fuse_qkv=False,
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=_rope_theta(hf)),
+        ),
+    )
+    if attn_backend == "sdpa":
+        # On CPU flex attention has no backward and varlen needs CUDA; SDPA with a causal mask is exact for
+        # right-padded rows (padding only follows the real tokens and is masked out of every loss).
+        for layer in cfg.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    elif attn_backend != "flex":
+        raise ValueError(f"attn_backend={attn_backend!r}; use 'sdpa' or 'flex'")
+    return cfg
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(
+            f"{cfg_path} not found: model.path must be an HF-format checkpoint directory "
+            "(config.json, model.safetensors, tokenizer files)"
+        )
+    return json.loads(cfg_path.read_text())
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint dir (single file or sharded safetensors)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def titan_to_hf(state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(titan_cfg, None).to_hf(state_dict)
+
+
+def hf_to_titan(hf_state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    return Qwen3StateDictAdapter(titan_cfg, None).from_hf(dict(hf_state_dict))
+
+
+def save_hf_checkpoint(
+    path: str | os.PathLike,
+    hf_state_dict: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF checkpoint atomically: everything goes to a temp dir beside `path`, which is renamed into
+    place only when complete — a crash leaves either the old checkpoint or none, never a partial one."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        tensors = {
+            k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_state_dict.items()
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(hf_config)
+        cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        elif tokenizer_dir is not None:
+            for f in Path(tokenizer_dir).iterdir():
+                if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
+                    shutil.copy2(f, tmp / f.name)
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def build_model_on_meta(titan_cfg) -> torch.nn.Module:
+    with torch.device("meta"):
+        return titan_cfg.build()
+
+
+def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer, seed: int) -> Path:
+    """Initialise a Qwen3 `flavor` with torchtitan's init (seeded) and save it in HF format with `tokenizer`."""
+    hf = hf_config_dict(flavor, tokenizer.vocab_size)
+    titan_cfg = titan_config_from_hf(hf)
+    model = build_model_on_meta(titan_cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    return save_hf_checkpoint(path, titan_to_hf(model.state_dict(), titan_cfg), hf, tokenizer=tokenizer)

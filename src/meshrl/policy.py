@@ -1,0 +1,252 @@
+"""The trainable policy of one trainer rank: torchtitan Qwen3 + FSDP2 + AdamW, and the math of the
+`forward_backward` / `forward` / `optim_step` contract. No Monarch in here — the PolicyTrainer actor is a thin
+shell around this class, and tests can drive it directly inside a plain torch.distributed group.
+
+Contract (DESIGN.md): `forward_backward` accumulates gradients and never zeroes them; each call's loss is
+divided by the global number of loss tokens given by the controller, so k calls and one `optim_step` equal
+one big batch. `optim_step` takes the LR (and the other optimiser params) on every call, steps, zeroes the
+gradients and bumps `policy_version`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshrl.losses import LossBatch, get_loss
+from meshrl.models import qwen3
+from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch.Tensor, LossBatch]:
+    """Right-pad a list of Datum into `[B, L]` tokens and `[B, L-1]` target-aligned tensors."""
+    max_len = max(len(d.tokens) for d in data)
+    B, T = len(data), max_len - 1
+    tokens = torch.full((B, max_len), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    old = torch.zeros(B, T)
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        tokens[i, :n] = torch.tensor(d.tokens)
+        mask[i, : n - 1] = torch.tensor(d.loss_mask, dtype=torch.float32)
+        if d.old_logprobs is not None:
+            old[i, : n - 1] = torch.tensor(d.old_logprobs, dtype=torch.float32)
+    adv = torch.tensor([d.advantage for d in data], dtype=torch.float32)
+    return tokens.to(device), LossBatch(mask=mask.to(device), old_logprobs=old.to(device), advantages=adv.to(device))
+
+
+def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) in float32, shape [B, L-1]."""
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+class Policy:
+    """Model, optimiser and version counter of one trainer rank (FSDP2 over all ranks of the default group)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        attn_backend: str = "sdpa",
+        param_dtype: str = "float32",
+        device: str = "cpu",
+        pad_id: int = 0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.model_dir = str(model_dir)
+        self.pad_id = pad_id
+        self.hf_config = qwen3.read_hf_config(model_dir)
+        self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
+        self.max_seq_len = int(self.hf_config["max_position_embeddings"])
+        self.model = self._build_fsdp_model(param_dtype)
+        self.load_hf(model_dir)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
+        self.policy_version = 0
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+
+    # ---- construction -------------------------------------------------------------------------------------
+    def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
+        import torchtitan.distributed.parallel_dims as parallel_dims_mod
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.models.qwen3 import parallelize_qwen3
+
+        if self.device.type == "cpu":
+            # torchtitan assumes an accelerator; on CPU its meshes must be built for "cpu" (gloo).
+            parallel_dims_mod.device_type = "cpu"
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+        parallel_dims = ParallelDims.from_config(parallelism, self.world_size)
+        parallel_dims.build_mesh()
+        model = qwen3.build_model_on_meta(self.titan_config)
+        parallelize_qwen3(
+            model,
+            parallel_dims=parallel_dims,
+            training=TrainingConfig(mixed_precision_param=param_dtype),
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder=os.devnull,
+        )
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                # Sum (not average) gradients over ranks: each rank's loss is already divided by the global
+                # token count, so the sum is exactly the gradient of one big batch.
+                m.set_gradient_divide_factor(1.0)
+                if self.device.type == "cpu":
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_states(buffer_device=self.device)  # RoPE buffers; weights are loaded next
+        return model
+
+    # ---- the endpoint math --------------------------------------------------------------------------------
+    def _local_shard(self, data: list[Datum]) -> list[Datum]:
+        if not data:
+            raise ValueError("empty batch: forward_backward/forward need at least one Datum")
+        if len(data) % self.world_size:
+            raise ValueError(
+                f"batch of {len(data)} sequences cannot be split evenly over {self.world_size} trainer ranks; "
+                f"send a multiple of {self.world_size}"
+            )
+        longest = max(len(d.tokens) for d in data)
+        if longest > self.max_seq_len:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the model's limit of {self.max_seq_len} "
+                "(max_position_embeddings); shorten prompts or lower generator.max_tokens"
+            )
+        vocab = self.titan_config.vocab_size
+        for i, d in enumerate(data):
+            if min(d.tokens) < 0 or max(d.tokens) >= vocab:
+                raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
+        per_rank = len(data) // self.world_size
+        return data[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def _logprobs(self, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        return target_logprobs(self.model(tokens), tokens, temperature)
+
+    def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
+        loss_fn = get_loss(loss.name)
+        local = self._local_shard(data)
+        tokens, batch = collate(local, self.pad_id, self.device)
+        logprobs = self._logprobs(tokens, loss.temperature)
+        loss_sum, metrics = loss_fn(logprobs, batch, **loss.params)
+        scaled = loss_sum / loss.num_loss_tokens
+        self._check_finite_everywhere(scaled, "loss")
+        scaled.backward()
+        stats = torch.stack([loss_sum.detach() / loss.num_loss_tokens, batch.mask.sum()] + list(metrics.values()))
+        dist.all_reduce(stats)
+        return ForwardBackwardResult(
+            logprobs=self._gather_rows(logprobs.detach(), local),
+            loss=float(stats[0]),
+            metrics={k: float(v) for k, v in zip(metrics, stats[2:], strict=True)},
+            num_tokens=int(stats[1]),
+        )
+
+    @torch.no_grad()
+    def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
+        local = self._local_shard(data)
+        tokens, _ = collate(local, self.pad_id, self.device)
+        return self._gather_rows(self._logprobs(tokens, temperature), local)
+
+    def optim_step(self, p: OptimParams) -> OptimResult:
+        for group in self.optimizer.param_groups:
+            group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        params = [q for q in self.model.parameters() if q.grad is not None]
+        if not params:
+            raise RuntimeError("optim_step without gradients: call forward_backward first")
+        max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"grad norm is {grad_norm} at policy_version={self.policy_version}: the step was skipped and the "
+                "gradients discarded; lower optim.lr or check the inputs"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return OptimResult(grad_norm=grad_norm, lr=p.lr, policy_version=self.policy_version)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- weights in and out -------------------------------------------------------------------------------
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under HF names. Collective: every rank must call it."""
+        full = {k: _full(v) for k, v in self.model.state_dict().items()}
+        hf = qwen3.titan_to_hf(full, self.titan_config)
+        return {k: (v.to(dtype) if dtype is not None else v).detach() for k, v in hf.items()}
+
+    def save_hf(self, path: str, dtype: torch.dtype | None = None) -> str | None:
+        """Collective; rank 0 writes atomically (temp dir + rename). Returns the path on rank 0."""
+        hf = self.hf_state_dict(dtype)
+        out = None
+        if self.rank == 0:
+            out = str(qwen3.save_hf_checkpoint(path, hf, self.hf_config, tokenizer_dir=self.model_dir))
+        dist.barrier()
+        return out
+
+    def load_hf(self, path: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        hf_cfg = qwen3.read_hf_config(path)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+            if hf_cfg.get(key) != self.hf_config.get(key):
+                raise ValueError(
+                    f"checkpoint {path} has {key}={hf_cfg.get(key)} but the trainer's model has "
+                    f"{self.hf_config.get(key)}: it is a different architecture"
+                )
+        titan_sd = qwen3.hf_to_titan(qwen3.load_hf_state_dict(path), self.titan_config)
+        titan_sd = {k: v.to(self.device) for k, v in titan_sd.items()}
+        set_model_state_dict(self.model, titan_sd, options=StateDictOptions(full_state_dict=True, strict=True))
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _check_finite_everywhere(self, value: torch.Tensor, what: str) -> None:
+        # Every rank must agree before backward: one rank raising alone would leave the others waiting in
+        # FSDP's collectives forever.
+        bad = torch.tensor([0.0 if torch.isfinite(value.detach()).all() else 1.0], device=self.device)
+        dist.all_reduce(bad)
+        if bad.item() > 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"{what} is NaN or inf on {int(bad.item())} trainer rank(s) at policy_version={self.policy_version}; "
+                "the accumulated gradients were discarded. Check the batch (advantages, old_logprobs) and "
+                "lower optim.lr"
+            )
+
+    def _gather_rows(self, logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
+        """Per-datum logprobs of every rank's rows, in the batch's order, on every rank."""
+        rows = [logprobs[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
+        if self.world_size == 1:
+            return rows
+        gathered: list[list[list[float]] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, rows)
+        return [r for part in gathered for r in part]  # type: ignore[union-attr]
+
+
+def policy_from_env(model_dir: str | Path, **kwargs) -> Policy:
+    """Initialise the process group from RANK/WORLD_SIZE/MASTER_ADDR (set by Monarch or torchrun) and build."""
+    if not dist.is_initialized():
+        device = kwargs.get("device", "cpu")
+        if device != "cpu":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("gloo" if device == "cpu" else "nccl")
+    return Policy(str(model_dir), **kwargs)
