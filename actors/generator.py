@@ -1,0 +1,72 @@
+"""Generator: one actor per engine replica. Token ids in, token ids + per-token logprobs out, each completion
+stamped with the policy version of the weights that produced it."""
+
+from __future__ import annotations
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.types import Completion, SamplingParams
+
+
+class StaleWeightsError(RuntimeError):
+    pass
+
+
+class Generator(Actor):
+    def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
+        torch.set_num_threads(1)
+        self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
+        self.engine = None
+        self.policy_version = 0
+
+    def _engine(self):
+        if self.engine is None:
+            raise RuntimeError("Generator.setup() was not called")
+        return self.engine
+
+    @endpoint
+    async def setup(self) -> dict:
+        from meshrl.generation.vllm_engine import VLLMEngine
+
+        c = self.cfg
+        self.engine = VLLMEngine(
+            self.model_dir,
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            seed=self.seed,
+        )
+        return {"policy_version": self.policy_version, "max_model_len": self.engine.max_model_len}
+
+    @endpoint
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, expected_version: int | None = None
+    ) -> list[list[Completion]]:
+        if expected_version is not None and expected_version != self.policy_version:
+            raise StaleWeightsError(
+                f"generator holds policy_version={self.policy_version} but {expected_version} was asked for; "
+                "call pull_weights first"
+            )
+        return self._engine().generate(prompts, params, self.policy_version)
+
+    @endpoint
+    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self._engine().prompt_logprobs(sequences)
+
+    @endpoint
+    async def pull_weights(self, version: int) -> int:
+        """Load the weights pushed under `version` in place and reset the prefix cache."""
+        from meshrl.weight_sync.store import pull_weights
+
+        if version < self.policy_version:
+            raise StaleWeightsError(f"refusing to go back from policy_version={self.policy_version} to {version}")
+        state_dict = await pull_weights(version)
+        self._engine().load_weights(state_dict)
+        self.policy_version = version
+        return version
+
+    @endpoint
+    async def info(self) -> dict:
+        return {"policy_version": self.policy_version, "engine": self.cfg.engine}

@@ -1,0 +1,85 @@
+"""PolicyTrainer: one actor per trainer rank, FSDP2 across the mesh. Every rank gets every call (`.call()`),
+takes its share of the batch and returns the same, already-reduced result."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PolicyTrainer(Actor):
+    def __init__(self, model_dir: str, model_cfg, trainer_cfg, pad_id: int = 0) -> None:
+        torch.set_num_threads(trainer_cfg.num_threads)
+        self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id = model_dir, model_cfg, trainer_cfg, pad_id
+        self.policy = None
+
+    def _policy(self):
+        if self.policy is None:
+            raise RuntimeError("PolicyTrainer.setup() was not called")
+        return self.policy
+
+    @endpoint
+    async def setup(self) -> dict:
+        from meshrl.policy import policy_from_env
+
+        self.policy = policy_from_env(
+            self.model_dir,
+            attn_backend=self.model_cfg.attn_backend,
+            param_dtype=self.model_cfg.dtype,
+            device=self.trainer_cfg.device,
+            pad_id=self.pad_id,
+        )
+        return self._info()
+
+    @endpoint
+    async def info(self) -> dict:
+        return self._info()
+
+    def _info(self) -> dict:
+        p = self._policy()
+        return {
+            "rank": p.rank,
+            "world_size": p.world_size,
+            "num_params": p.num_params,
+            "policy_version": p.policy_version,
+            "max_seq_len": p.max_seq_len,
+            "pid": os.getpid(),
+        }
+
+    @endpoint
+    async def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
+        return self._policy().forward_backward(data, loss)
+
+    @endpoint
+    async def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
+        return self._policy().forward(data, temperature)
+
+    @endpoint
+    async def optim_step(self, params: OptimParams) -> OptimResult:
+        return self._policy().optim_step(params)
+
+    @endpoint
+    async def push_weights(self, version: int, dtype: str = "float32") -> int:
+        """Gather the full weights (collective) and put them in the store under `version` from rank 0.
+        Returns the bytes pushed (0 on the other ranks)."""
+        from meshrl.weight_sync.store import push_weights
+
+        p = self._policy()
+        state_dict = p.hf_state_dict(_DTYPES[dtype])
+        if p.rank != 0:
+            return 0
+        return await push_weights(state_dict, version)
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> str | None:
+        return self._policy().save_hf(path)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> None:
+        self._policy().load_hf(path)

@@ -1,0 +1,185 @@
+"""The small Controller API that `grpo` and `sft` are written in, and that users can drive from Python.
+
+It spawns the actor meshes (PolicyTrainer × trainer.num_procs, Generator × generator.num_replicas, one
+RewardActor) on this host and exposes their endpoints as calls that return `Pending` results: start several,
+then `.result()` them, so generation, scoring, training and weight transfer can overlap. Every wait has a
+timeout, so a dead actor fails the run instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from monarch.actor import this_host
+
+from meshrl.actors import Generator, PolicyTrainer, RewardActor
+from meshrl.actors.reward import Scored
+from meshrl.weight_sync.store import delete_weights, init_weight_store, shutdown_weight_store
+from meshrl.types import Completion, Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult, SamplingParams
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """A result that is still being computed by one or more actors."""
+
+    def __init__(self, futures: list[Any], combine: Callable[[list[Any]], T], timeout_s: float, what: str) -> None:
+        self._futures, self._combine, self._timeout_s, self._what = futures, combine, timeout_s, what
+        self._value: Any = None
+        self._done = False
+
+    def result(self) -> T:
+        if not self._done:
+            try:
+                values = [f.get(timeout=self._timeout_s) for f in self._futures]
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"{self._what} did not answer within {self._timeout_s:.0f}s (run.call_timeout_s); an actor "
+                    "is stuck or its process died"
+                ) from e
+            self._value, self._done = self._combine(values), True
+        return self._value
+
+
+def _rank0(values: list[Any]) -> Any:
+    """Trainer endpoints return the same (already all-reduced) value on every rank; take rank 0's."""
+    (value_mesh,) = values
+    return next(iter(value_mesh.values()))
+
+
+@dataclass
+class WeightSyncTiming:
+    version: int
+    push_s: float
+    pull_s: float
+    bytes: int
+
+
+class Controller:
+    def __init__(
+        self,
+        *,
+        model_dir: str,
+        model_cfg,
+        trainer_cfg,
+        generator_cfg,
+        tokenizer,
+        reward_weights: dict[str, float],
+        seed: int = 0,
+        call_timeout_s: float = 600.0,
+    ) -> None:
+        from monarch.spmd import setup_torch_elastic_env
+
+        self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
+        host = this_host()
+        self._trainer_procs = host.spawn_procs(per_host={"procs": trainer_cfg.num_procs})
+        self._generator_procs = host.spawn_procs(per_host={"procs": generator_cfg.num_replicas})
+        self._reward_procs = host.spawn_procs(per_host={"procs": 1})
+        setup_torch_elastic_env(self._trainer_procs)  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
+        asyncio.run(init_weight_store())
+        self.trainer = self._trainer_procs.spawn(
+            "trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, tokenizer.pad_id
+        )
+        self.generators = self._generator_procs.spawn("generator", Generator, self.model_dir, generator_cfg, seed)
+        self.reward = self._reward_procs.spawn("reward", RewardActor, tokenizer, reward_weights)
+        self.num_replicas = generator_cfg.num_replicas
+        # Engines and models build in parallel.
+        trainer_ready = Pending([self.trainer.setup.call()], _rank0, call_timeout_s, "PolicyTrainer.setup")
+        gens_ready = Pending([self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup")
+        self.trainer_info = trainer_ready.result()
+        self.generator_info = gens_ready.result()
+        self.policy_version = self.trainer_info["policy_version"]
+        self._last_synced: int | None = None
+
+    # ---- trainer ------------------------------------------------------------------------------------------
+    def forward_backward(self, data: list[Datum], loss: LossSpec) -> Pending[ForwardBackwardResult]:
+        return Pending([self.trainer.forward_backward.call(data, loss)], _rank0, self.timeout_s, "forward_backward")
+
+    def forward(self, data: list[Datum], temperature: float = 1.0) -> Pending[list[list[float]]]:
+        return Pending([self.trainer.forward.call(data, temperature)], _rank0, self.timeout_s, "forward")
+
+    def optim_step(self, params: OptimParams) -> Pending[OptimResult]:
+        def done(values: list[Any]) -> OptimResult:
+            result: OptimResult = _rank0(values)
+            self.policy_version = result.policy_version
+            return result
+
+        return Pending([self.trainer.optim_step.call(params)], done, self.timeout_s, "optim_step")
+
+    def save_checkpoint(self, path: str) -> str:
+        return Pending([self.trainer.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint").result()
+
+    def load_checkpoint(self, path: str) -> None:
+        Pending([self.trainer.load_checkpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint").result()
+
+    # ---- weights ------------------------------------------------------------------------------------------
+    def sync_weights(self, version: int | None = None) -> WeightSyncTiming:
+        """Push the trainer's weights under `version` (default: the current policy version) and make every
+        generator load them. Returns when all generators serve exactly that version."""
+        version = self.policy_version if version is None else version
+        t0 = time.perf_counter()
+        pushed = Pending(
+            [self.trainer.push_weights.call(version, self.generator_cfg.dtype)],
+            lambda v: sum(v[0].values()),
+            self.timeout_s,
+            "push_weights",
+        ).result()
+        t1 = time.perf_counter()
+        versions = Pending(
+            [self.generators.pull_weights.call(version)], lambda v: list(v[0].values()), self.timeout_s, "pull_weights"
+        ).result()
+        if set(versions) != {version}:
+            raise RuntimeError(f"generators report versions {versions} after pulling {version}")
+        if self._last_synced is not None and self._last_synced != version:
+            asyncio.run(delete_weights(self._last_synced))  # generators have moved on; free the store
+        self._last_synced = version
+        return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed)
+
+    # ---- generation and scoring ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Pending[list[list[Completion]]]:
+        """Spread prompts over the generator replicas; completions come back in prompt order, each stamped
+        with the policy version that produced it (checked to be the current one)."""
+        shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
+        futures = [
+            self.generators.slice(procs=i).generate.call_one(shard, params, self.policy_version)
+            for i, shard in enumerate(shards)
+            if shard
+        ]
+
+        def interleave(parts: list[list[list[Completion]]]) -> list[list[Completion]]:
+            out: list[list[Completion]] = [None] * len(prompts)  # type: ignore[list-item]
+            for i, part in enumerate(parts):
+                out[i :: self.num_replicas] = part
+            return out
+
+        return Pending(futures, interleave, self.timeout_s, "generate")
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
+        """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
+        fut = self.generators.slice(procs=0).prompt_logprobs.call_one(sequences)
+        return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
+
+    def score(self, completion_ids: list[list[int]], answers: list[str]) -> Pending[list[Scored]]:
+        return Pending([self.reward.score.call_one(completion_ids, answers)], lambda v: v[0], self.timeout_s, "score")
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        try:
+            asyncio.run(asyncio.wait_for(shutdown_weight_store(), 60))
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        for procs in (self._trainer_procs, self._generator_procs, self._reward_procs):
+            try:
+                procs.stop().get(timeout=60)
+            except Exception:  # noqa: BLE001 - best effort: the processes may already be gone
+                pass
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,32 @@
+"""tyro over the run-config dataclasses, starting from a named preset (`--preset NAME`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TypeVar
+
+import tyro
+
+from meshrl.config import ConfigError
+
+T = TypeVar("T")
+
+
+def parse_run_config(cls: type[T], *, description: str | None = None, argv: list[str] | None = None) -> T:
+    from meshrl.configs import PRESETS
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    preset = "tiny-reverse"
+    if "--preset" in args:
+        i = args.index("--preset")
+        if i + 1 >= len(args):
+            sys.exit(f"--preset needs a name: {sorted(PRESETS)}")
+        preset = args[i + 1]
+        del args[i : i + 2]
+    if preset not in PRESETS:
+        sys.exit(f"unknown preset {preset!r}; presets: {sorted(PRESETS)}")
+    try:
+        return tyro.cli(cls, default=PRESETS[preset](), args=args,
+                        description=f"{description or ''}\nStarting from preset {preset!r}.")
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")

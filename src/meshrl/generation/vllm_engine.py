@@ -1,0 +1,292 @@
+"""A thin, token-in / token-out wrapper around an in-process vLLM engine.
+
+No Monarch here: the Generator actor owns one `VLLMEngine` and calls it. vLLM is imported lazily (inside
+`VLLMEngine.__init__`) so that importing this module never needs vLLM (the GPU machine may lack it).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from meshrl.types import Completion, SamplingParams
+
+# These must be in the environment before vLLM is imported (and read), hence module level, and setdefault so
+# a launcher can still override them:
+# - VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core in this process: ~3 s to start instead of 15-25 s
+#   on CPU, and it is the only mode that works inside a daemonic process (a Monarch actor), which may not
+#   spawn children.
+# - TORCHDYNAMO_DISABLE=1 skips a 10-20 s torch.compile at start-up (vLLM's CPU path still compiles a few
+#   helpers even with enforce_eager=True); eager is plenty for the model sizes this project runs on CPU.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+WORKER_EXTENSION = "meshrl.generation.vllm_worker_ext.WeightUpdateExtension"
+_UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def _finish_reason(reason: str | None) -> str:
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop"
+    raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}; expected 'stop' or 'length'")
+
+
+def _logprob_of(entry: Mapping[int, Any], token_id: int) -> float:
+    """One position of vLLM's per-token logprobs dict ({token_id: Logprob}) -> float for `token_id`."""
+    if token_id not in entry:
+        raise RuntimeError(f"vLLM returned no logprob for token {token_id} (got ids {list(entry)})")
+    return float(entry[token_id].logprob)
+
+
+class VLLMEngine:
+    """vLLM `LLM` built from an HF-format directory, driven with token ids only.
+
+    Logprobs are "processed" (vLLM's `logprobs_mode="processed_logprobs"`): the log-probability of each sampled
+    token under the distribution it was actually sampled from (after temperature, top-k and top-p). Greedy
+    requests (temperature 0) report the plain log_softmax of the logits.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        kv_cache_memory_bytes: int = 256 * 2**20,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise FileNotFoundError(
+                f"{model_dir!r} has no config.json; VLLMEngine needs an HF-format model directory "
+                "(config.json + *.safetensors + tokenizer files), e.g. written by save_pretrained"
+            )
+        from vllm import LLM  # lazy: see module docstring
+
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.torch_dtype = _DTYPES[dtype]
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            # Explicit KV size: vLLM-CPU's default sizing reads one NUMA node's memory and refuses to start
+            # here; on GPU it also bypasses the memory profiling (gpu_memory_utilization is then unused).
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            skip_tokenizer_init=True,  # token ids in and out; no detokenisation
+            logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        model_config = self.llm.llm_engine.model_config
+        self._max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tokens(self, what: str, index: int, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError(f"{what} {index} is empty; every {what} needs at least one token id")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"{what} {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
+                f"{' ...' if len(bad) > 8 else ''}"
+            )
+
+    # ------------------------------------------------------------------ generation
+
+    def _vllm_params(self, params: SamplingParams, n: int, seed: int | None):
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.temperature == 0
+        return VSamplingParams(
+            n=n,
+            max_tokens=params.max_tokens,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if (greedy or params.top_k == -1) else params.top_k,  # vLLM: 0 disables top-k
+            stop_token_ids=list(params.stop_token_ids),
+            seed=None if greedy else seed,
+            logprobs=0,  # only the sampled token's logprob
+            detokenize=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, policy_version: int
+    ) -> list[list[Completion]]:
+        """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
+
+        temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
+        sample j uses seed `params.seed + i * n + j`, so a call is reproducible and no two samples share noise.
+        """
+        from vllm.inputs import TokensPrompt
+
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):
+            self._check_tokens("prompt", i, p)
+            if len(p) + params.max_tokens > self._max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together exceed "
+                    f"max_model_len={self._max_model_len}; shorten/filter the prompt, lower max_tokens, or "
+                    f"build the engine with max_model_len >= {len(p) + params.max_tokens}"
+                )
+        if not prompts:
+            return []
+
+        greedy = params.temperature == 0
+        n_req = 1 if greedy else params.n  # vLLM refuses n > 1 for greedy; we replicate instead
+        vparams = [
+            self._vllm_params(params, n_req, None if params.seed is None else params.seed + i * params.n)
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False
+        )
+
+        results: list[list[Completion]] = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            comps = []
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                token_ids = [int(t) for t in o.token_ids]
+                if o.logprobs is None or len(o.logprobs) != len(token_ids):
+                    raise RuntimeError(
+                        f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} logprob entries for "
+                        f"{len(token_ids)} tokens"
+                    )
+                logprobs = [_logprob_of(e, t) for e, t in zip(o.logprobs, token_ids, strict=True)]
+                comps.append(
+                    Completion(
+                        prompt_ids=list(prompt),
+                        token_ids=token_ids,
+                        logprobs=logprobs,
+                        finish_reason=_finish_reason(o.finish_reason),
+                        policy_version=policy_version,
+                    )
+                )
+            if greedy and params.n > 1:
+                c = comps[0]
+                comps = [
+                    Completion(list(c.prompt_ids), list(c.token_ids), list(c.logprobs), c.finish_reason,
+                               c.policy_version)
+                    for _ in range(params.n)
+                ]
+            results.append(comps)
+        return results
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1).
+
+        Sequences may be up to `max_model_len` long. vLLM needs room for one generated token, so the engine
+        is fed `seq[:-1]`: its prompt logprobs give positions 1 .. len-2 and the logprob of `seq[-1]` at the
+        first generated position (asked for with `logprob_token_ids`) gives the last one.
+        """
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sequences = [[int(t) for t in s] for s in sequences]
+        for i, s in enumerate(sequences):
+            self._check_tokens("sequence", i, s)
+            if len(s) > self._max_model_len:
+                raise ValueError(
+                    f"sequence {i} has {len(s)} tokens > max_model_len={self._max_model_len}; truncate it or "
+                    f"build the engine with max_model_len >= {len(s)}"
+                )
+        todo = [i for i, s in enumerate(sequences) if len(s) >= 2]
+        results: list[list[float]] = [[] for _ in sequences]
+        if not todo:
+            return results
+        vparams = [
+            VSamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                prompt_logprobs=0,
+                logprob_token_ids=[sequences[i][-1]],
+                logprobs=1,  # must equal len(logprob_token_ids)
+                detokenize=False,
+            )
+            for i in todo
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=sequences[i][:-1]) for i in todo], vparams, use_tqdm=False
+        )
+        for i, out in zip(todo, outputs, strict=True):
+            s = sequences[i]
+            plp = out.prompt_logprobs or []  # [None, {tok: Logprob}, ...] for s[:-1]
+            if len(plp) != len(s) - 1:
+                raise RuntimeError(f"vLLM returned {len(plp)} prompt logprob entries for {len(s) - 1} tokens")
+            vals = [_logprob_of(plp[t], s[t]) for t in range(1, len(s) - 1)]
+            last = out.outputs[0].logprobs
+            if not last:
+                raise RuntimeError("vLLM returned no logprobs for the last position")
+            vals.append(_logprob_of(last[0], s[-1]))
+            results[i] = vals
+        return results
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights in place with HF-named tensors (cast to the engine dtype).
+
+        `lm_head.weight` may be absent when embeddings are tied (it is ignored by vLLM then anyway). The prefix
+        cache is reset afterwards: cached KV blocks were computed by the old weights.
+        """
+        if not state_dict:
+            raise ValueError("load_weights got an empty state dict")
+        weights = [
+            (name, t.detach().to(device="cpu", dtype=self.torch_dtype).contiguous())
+            for name, t in state_dict.items()
+        ]
+        counts = self.llm.collective_rpc(_UPDATE_METHOD, args=(weights,))
+        if any(c != len(weights) for c in counts):
+            raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {len(weights)}")
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ teardown
+
+    def shutdown(self) -> None:
+        """Free the engine (best effort). The object is unusable afterwards."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None  # type: ignore[assignment]
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        try:
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort teardown
+            pass
+        del llm, engine, core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

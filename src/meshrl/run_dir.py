@@ -1,0 +1,60 @@
+"""The run directory: resolved config, metrics as JSON lines, a reward-curve plot, a summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RunDir:
+    def __init__(self, output_dir: str, name: str | None, config: Any) -> None:
+        name = name or time.strftime("%Y%m%d-%H%M%S")
+        self.path = Path(output_dir).resolve() / name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.path / "metrics.jsonl"
+        (self.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        p = self.path / name
+        p.write_text(json.dumps(obj, indent=2, default=str))
+        return p
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(records: list[dict[str, Any]], path: Path, title: str = "GRPO reward") -> Path | None:
+    """Reward mean ± std per RL step (and eval accuracy where present) as a PNG."""
+    rl = [r for r in records if r.get("phase") == "rl"]
+    if not rl:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rl]
+    mean = [r["reward_mean"] for r in rl]
+    std = [r["reward_std"] for r in rl]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, mean, label="reward mean")
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
+                    [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, label="± std")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
