@@ -76,9 +76,8 @@ class Policy:
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
         self.max_seq_len = int(self.hf_config["max_position_embeddings"])
         self.model = self._build_fsdp_model(param_dtype)
-        self.load_hf(model_dir)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
         self.policy_version = 0
+        self.load_hf(model_dir)
         self.num_params = sum(p.numel() for p in self.model.parameters())
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -205,6 +204,8 @@ class Policy:
         return out
 
     def load_hf(self, path: str) -> None:
+        """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
+        fresh; the policy version is kept (it counts optimiser steps of this run)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         hf_cfg = qwen3.read_hf_config(path)
@@ -217,6 +218,7 @@ class Policy:
         titan_sd = qwen3.hf_to_titan(qwen3.load_hf_state_dict(path), self.titan_config)
         titan_sd = {k: v.to(self.device) for k, v in titan_sd.items()}
         set_model_state_dict(self.model, titan_sd, options=StateDictOptions(full_state_dict=True, strict=True))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _check_finite_everywhere(self, value: torch.Tensor, what: str) -> None:

@@ -1,7 +1,7 @@
 """Generation backends. Importing this package never imports vLLM (the GPU machine may not have it).
 
-`VLLMEngine` is resolved lazily: `from meshrl.generation import VLLMEngine` imports `vllm_engine`, which itself
-imports vLLM only when an engine is constructed.
+`VLLMEngine` is resolved lazily: `from meshrl.generation import VLLMEngine` imports `vllm_engine`, which
+itself imports vLLM only when an engine is constructed.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ No Monarch here: the Generator actor owns one `VLLMEngine` and calls it. vLLM is
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Mapping, Sequence
@@ -56,9 +57,9 @@ def _logprob_of(entry: Mapping[int, Any], token_id: int) -> float:
 class VLLMEngine:
     """vLLM `LLM` built from an HF-format directory, driven with token ids only.
 
-    Logprobs are "processed" (vLLM's `logprobs_mode="processed_logprobs"`): the log-probability of each sampled
-    token under the distribution it was actually sampled from (after temperature, top-k and top-p). Greedy
-    requests (temperature 0) report the plain log_softmax of the logits.
+    Logprobs are "processed" (vLLM's `logprobs_mode="processed_logprobs"`): the log-probability of each
+    sampled token under the distribution it was actually sampled from (after temperature, top-k and top-p).
+    Greedy requests (temperature 0) report the plain log_softmax of the logits.
     """
 
     def __init__(
@@ -67,7 +68,7 @@ class VLLMEngine:
         *,
         dtype: str = "float32",
         max_model_len: int = 256,
-        kv_cache_memory_bytes: int = 256 * 2**20,
+        kv_cache_memory_bytes: int | None = 256 * 2**20,
         seed: int = 0,
         enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
@@ -90,7 +91,8 @@ class VLLMEngine:
             dtype=dtype,
             max_model_len=max_model_len,
             # Explicit KV size: vLLM-CPU's default sizing reads one NUMA node's memory and refuses to start
-            # here; on GPU it also bypasses the memory profiling (gpu_memory_utilization is then unused).
+            # here. On GPU it bypasses memory profiling (gpu_memory_utilization is then unused); pass None
+            # there to let vLLM size the cache from gpu_memory_utilization instead.
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
@@ -147,7 +149,8 @@ class VLLMEngine:
         """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
 
         temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
-        sample j uses seed `params.seed + i * n + j`, so a call is reproducible and no two samples share noise.
+        sample j uses seed `params.seed + i * n + j`, so a call is reproducible and no two samples share
+        noise.
         """
         from vllm.inputs import TokensPrompt
 
@@ -156,9 +159,9 @@ class VLLMEngine:
             self._check_tokens("prompt", i, p)
             if len(p) + params.max_tokens > self._max_model_len:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together exceed "
-                    f"max_model_len={self._max_model_len}; shorten/filter the prompt, lower max_tokens, or "
-                    f"build the engine with max_model_len >= {len(p) + params.max_tokens}"
+                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together "
+                    f"exceed max_model_len={self._max_model_len}; shorten/filter the prompt, lower "
+                    f"max_tokens, or build the engine with max_model_len >= {len(p) + params.max_tokens}"
                 )
         if not prompts:
             return []
@@ -196,8 +199,13 @@ class VLLMEngine:
             if greedy and params.n > 1:
                 c = comps[0]
                 comps = [
-                    Completion(list(c.prompt_ids), list(c.token_ids), list(c.logprobs), c.finish_reason,
-                               c.policy_version)
+                    Completion(
+                        list(c.prompt_ids),
+                        list(c.token_ids),
+                        list(c.logprobs),
+                        c.finish_reason,
+                        c.policy_version,
+                    )
                     for _ in range(params.n)
                 ]
             results.append(comps)
@@ -257,8 +265,8 @@ class VLLMEngine:
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the weights in place with HF-named tensors (cast to the engine dtype).
 
-        `lm_head.weight` may be absent when embeddings are tied (it is ignored by vLLM then anyway). The prefix
-        cache is reset afterwards: cached KV blocks were computed by the old weights.
+        `lm_head.weight` may be absent when embeddings are tied (the tied head is then refreshed from the new
+        embeddings). The prefix cache is reset afterwards: cached KV blocks were computed by the old weights.
         """
         if not state_dict:
             raise ValueError("load_weights got an empty state dict")
@@ -281,11 +289,9 @@ class VLLMEngine:
         self.llm = None  # type: ignore[assignment]
         engine = getattr(llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
-        try:
+        with contextlib.suppress(Exception):  # best effort teardown
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort teardown
-            pass
         del llm, engine, core
         gc.collect()
         if torch.cuda.is_available():

@@ -37,10 +37,10 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
 
-            # Tied lm_head trap: the checkpoint has no lm_head.weight when embeddings are tied, so the layerwise
-            # reload never "loads" the lm_head module and never re-runs its post-processing. Its weight shares
-            # storage with embed_tokens (so it holds the new values), but on CPU the packed GEMM handle built
-            # from the old values is kept and the logits come out of the OLD head. Re-run the processing here.
+            # Tied lm_head trap: with tied embeddings the weights usually have no lm_head.weight, so the
+            # layerwise reload never "loads" the lm_head module and never re-runs its post-processing. Its
+            # weight shares storage with embed_tokens (so it holds the new values), but on CPU the packed GEMM
+            # handle built from the old values is kept and the logits come out of the OLD head. Re-run it.
             model = runner.get_model()
             hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
             text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -181,6 +181,10 @@ def save_hf_checkpoint(
         cfg = dict(hf_config)
         cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        from transformers import GenerationConfig
+
+        GenerationConfig(**{k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
+                         ).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif tokenizer_dir is not None:
@@ -208,6 +212,8 @@ def build_model_on_meta(titan_cfg) -> torch.nn.Module:
 def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer, seed: int) -> Path:
     """Initialise a Qwen3 `flavor` with torchtitan's init (seeded) and save it in HF format with `tokenizer`."""
     hf = hf_config_dict(flavor, tokenizer.vocab_size)
+    # transformers' generate and vLLM (without a tokenizer) read the special ids from the config.
+    hf.update(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
     titan_cfg = titan_config_from_hf(hf)
     model = build_model_on_meta(titan_cfg)
     model.to_empty(device="cpu")

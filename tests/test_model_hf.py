@@ -1,0 +1,77 @@
+"""torchtitan Qwen3 <-> HF checkpoints: what we save loads in transformers with the same logits, and a
+failed save never leaves a half-written checkpoint behind."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from meshrl.models import qwen3
+
+
+def _titan_model(model_dir):
+    hf_cfg = qwen3.read_hf_config(model_dir)
+    tcfg = qwen3.titan_config_from_hf(hf_cfg)
+    model = qwen3.build_model_on_meta(tcfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    model.load_state_dict(qwen3.hf_to_titan(qwen3.load_hf_state_dict(model_dir), tcfg))
+    return model.eval(), tcfg
+
+
+def test_random_checkpoint_loads_in_transformers_with_same_logits(base_model_dir, tokenizer):
+    model, _ = _titan_model(base_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).eval()
+    x = torch.randint(0, tokenizer.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=1e-5, atol=1e-5)
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    assert tok("ab=")["input_ids"] == tokenizer.encode("ab=")
+    assert tok.eos_token_id == tokenizer.eos_id
+
+
+def test_hf_roundtrip_is_exact(base_model_dir, tmp_path):
+    model, tcfg = _titan_model(base_model_dir)
+    out = qwen3.save_hf_checkpoint(tmp_path / "ckpt", qwen3.titan_to_hf(model.state_dict(), tcfg),
+                                   qwen3.read_hf_config(base_model_dir), tokenizer_dir=base_model_dir)
+    a, b = qwen3.load_hf_state_dict(base_model_dir), qwen3.load_hf_state_dict(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert (out / "tokenizer.json").exists()
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(base_model_dir, tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    sd = qwen3.load_hf_state_dict(base_model_dir)
+    cfg = qwen3.read_hf_config(base_model_dir)
+    qwen3.save_hf_checkpoint(target, sd, cfg)
+    before = sorted(p.name for p in target.iterdir())
+
+    # A named fake: the disk failing half-way through writing the tensors cannot be produced for real here.
+    import safetensors.torch
+
+    def failing_save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save_file)
+    with pytest.raises(OSError, match="No space left"):
+        qwen3.save_hf_checkpoint(target, {k: v * 2 for k, v in sd.items()}, cfg)
+    assert sorted(p.name for p in target.iterdir()) == before
+    assert torch.equal(qwen3.load_hf_state_dict(target)["model.norm.weight"], sd["model.norm.weight"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp")], "temp dir left behind"
+
+
+def test_titan_flavors_map_to_hf_configs():
+    cfg = qwen3.hf_config_dict("0.6B", vocab_size=151936)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (1024, 28, 16)
+    assert cfg["tie_word_embeddings"] is True
+    with pytest.raises(ValueError, match="unknown Qwen3 flavor"):
+        qwen3.hf_config_dict("7T", vocab_size=10)
+
+
+def test_not_a_checkpoint_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="must be an HF-format checkpoint directory"):
+        qwen3.read_hf_config(tmp_path)
