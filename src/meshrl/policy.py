@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.losses import LossBatch, get_loss
 from meshrl.models import qwen3
@@ -206,8 +206,6 @@ class Policy:
     def load_hf(self, path: str) -> None:
         """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
         fresh; the policy version is kept (it counts optimiser steps of this run)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         hf_cfg = qwen3.read_hf_config(path)
         for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
             if hf_cfg.get(key) != self.hf_config.get(key):
@@ -216,8 +214,18 @@ class Policy:
                     f"{self.hf_config.get(key)}: it is a different architecture"
                 )
         titan_sd = qwen3.hf_to_titan(qwen3.load_hf_state_dict(path), self.titan_config)
-        titan_sd = {k: v.to(self.device) for k, v in titan_sd.items()}
-        set_model_state_dict(self.model, titan_sd, options=StateDictOptions(full_state_dict=True, strict=True))
+        current = self.model.state_dict()
+        missing, unexpected = current.keys() - titan_sd.keys(), titan_sd.keys() - current.keys()
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        with torch.no_grad():
+            for name, param in current.items():
+                full = titan_sd[name].to(device=self.device, dtype=param.dtype)
+                if isinstance(param, DTensor):
+                    # Every rank holds the full tensor; keep this rank's shard.
+                    full = distribute_tensor(full, param.device_mesh, param.placements)
+                param.copy_(full)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
 
     # ---- helpers ------------------------------------------------------------------------------------------
