@@ -81,5 +81,7 @@ class PolicyTrainer(Actor):
         return self._policy().save_hf(path)
 
     @endpoint
-    async def load_checkpoint(self, path: str) -> None:
+    async def load_checkpoint(self, path: str) -> int:
+        """Load HF weights; returns the new policy version."""
         self._policy().load_hf(path)
+        return self._policy().policy_version

@@ -113,14 +113,20 @@ class Controller:
     def save_checkpoint(self, path: str) -> str:
         return Pending([self.trainer.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint").result()
 
-    def load_checkpoint(self, path: str) -> None:
-        Pending([self.trainer.load_checkpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint").result()
+    def load_checkpoint(self, path: str) -> int:
+        """Load HF weights into the trainer (fresh optimiser); returns the new policy version."""
+        self.policy_version = Pending(
+            [self.trainer.load_checkpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint"
+        ).result()
+        return self.policy_version
 
     # ---- weights ------------------------------------------------------------------------------------------
     def sync_weights(self, version: int | None = None) -> WeightSyncTiming:
         """Push the trainer's weights under `version` (default: the current policy version) and make every
         generator load them. Returns when all generators serve exactly that version."""
         version = self.policy_version if version is None else version
+        if version == self._last_synced:
+            return WeightSyncTiming(version, 0.0, 0.0, 0)  # generators already serve it
         t0 = time.perf_counter()
         pushed = Pending(
             [self.trainer.push_weights.call(version, self.generator_cfg.dtype)],

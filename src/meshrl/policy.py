@@ -205,7 +205,7 @@ class Policy:
 
     def load_hf(self, path: str) -> None:
         """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
-        fresh; the policy version is kept (it counts optimiser steps of this run)."""
+        fresh. New weights are a new policy: the version is bumped (except for the initial load)."""
         hf_cfg = qwen3.read_hf_config(path)
         for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
             if hf_cfg.get(key) != self.hf_config.get(key):
@@ -227,6 +227,8 @@ class Policy:
                     full = distribute_tensor(full, param.device_mesh, param.placements)
                 param.copy_(full)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
+        if hasattr(self, "num_params"):  # not the initial load
+            self.policy_version += 1
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _check_finite_everywhere(self, value: torch.Tensor, what: str) -> None:
