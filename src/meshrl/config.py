@@ -181,7 +181,7 @@ class TaskConfig:
     max_len: int = 5
     alphabet: str = "abcdefgh"
     seed: int = 1234
-    reward_weights: dict[str, float] = field(default_factory=lambda: {"char_match": 1.0})
+    reward_weights: dict[str, float] = field(default_factory=lambda: {"char_match": 1.0, "exact_match": 0.0})
     """Reward functions of the task and their weights; the reward is the weighted sum."""
 
     def __post_init__(self) -> None:

@@ -23,8 +23,13 @@ from meshrl.types import Completion, SamplingParams
 #   spawn children.
 # - TORCHDYNAMO_DISABLE=1 skips a 10-20 s torch.compile at start-up (vLLM's CPU path still compiles a few
 #   helpers even with enforce_eager=True); eager is plenty for the model sizes this project runs on CPU.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# - VLLM_LOGGING_LEVEL=ERROR: with token-id I/O vLLM warns on every weight reload (rotary buffers and a tied
+#   lm_head are, correctly, not in the pushed weights) and at start (no tokenizer for chat templates).
+# On GPU the multiprocess engine and compilation (CUDA graphs) are what make vLLM fast: keep them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 WORKER_EXTENSION = "meshrl.generation.vllm_worker_ext.WeightUpdateExtension"
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
