@@ -16,7 +16,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class PolicyTrainer(Actor):
     def __init__(self, model_dir: str, model_cfg, trainer_cfg, pad_id: int = 0) -> None:
         torch.set_num_threads(trainer_cfg.num_threads)
-        self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id = model_dir, model_cfg, trainer_cfg, pad_id
+        self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id = (
+            model_dir,
+            model_cfg,
+            trainer_cfg,
+            pad_id,
+        )
         self.policy = None
 
     def _policy(self):

@@ -14,12 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from monarch.actor import this_host
-
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
 from meshrl.actors.reward import Scored
+from monarch.actor import this_host
+
+from meshrl.types import (
+    Completion,
+    Datum,
+    ForwardBackwardResult,
+    LossSpec,
+    OptimParams,
+    OptimResult,
+    SamplingParams,
+)
 from meshrl.weight_sync.store import delete_weights, init_weight_store, shutdown_weight_store
-from meshrl.types import Completion, Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult, SamplingParams
 
 T = TypeVar("T")
 
@@ -89,7 +97,9 @@ class Controller:
         self.num_replicas = generator_cfg.num_replicas
         # Engines and models build in parallel.
         trainer_ready = Pending([self.trainer.setup.call()], _rank0, call_timeout_s, "PolicyTrainer.setup")
-        gens_ready = Pending([self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup")
+        gens_ready = Pending(
+            [self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup"
+        )
         self.trainer_info = trainer_ready.result()
         self.generator_info = gens_ready.result()
         self.policy_version = self.trainer_info["policy_version"]
@@ -136,7 +146,10 @@ class Controller:
         ).result()
         t1 = time.perf_counter()
         versions = Pending(
-            [self.generators.pull_weights.call(version)], lambda v: list(v[0].values()), self.timeout_s, "pull_weights"
+            [self.generators.pull_weights.call(version)],
+            lambda v: list(v[0].values()),
+            self.timeout_s,
+            "pull_weights",
         ).result()
         if set(versions) != {version}:
             raise RuntimeError(f"generators report versions {versions} after pulling {version}")

@@ -26,7 +26,11 @@ def parse_run_config(cls: type[T], *, description: str | None = None, argv: list
     if preset not in PRESETS:
         sys.exit(f"unknown preset {preset!r}; presets: {sorted(PRESETS)}")
     try:
-        return tyro.cli(cls, default=PRESETS[preset](), args=args,
-                        description=f"{description or ''}\nStarting from preset {preset!r}.")
+        return tyro.cli(
+            cls,
+            default=PRESETS[preset](),
+            args=args,
+            description=f"{description or ''}\nStarting from preset {preset!r}.",
+        )
     except ConfigError as e:
         sys.exit(f"config error: {e}")

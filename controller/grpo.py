@@ -13,12 +13,12 @@ import random
 import statistics
 import time
 
+from meshrl.controller.api import Controller
+from meshrl.controller.steps import evaluate, micro_batches, supervised_warmup
 from tqdm import tqdm
 
 from meshrl.advantages import group_advantages
 from meshrl.config import GRPORunConfig
-from meshrl.controller.api import Controller
-from meshrl.controller.steps import evaluate, micro_batches, supervised_warmup
 from meshrl.models.qwen3 import create_random_checkpoint
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
@@ -41,26 +41,50 @@ def main(cfg: GRPORunConfig) -> dict:
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     task = build_task(cfg.task)
     model_dir = cfg.model.path or str(
-        create_random_checkpoint(run.path / "base_model", flavor=cfg.model.flavor, tokenizer=task.tokenizer,
-                                 seed=cfg.model.seed)
+        create_random_checkpoint(
+            run.path / "base_model", flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed
+        )
     )
-    print(f"[meshrl] run dir {run.path}\n[meshrl] starting {cfg.trainer.num_procs} trainer + "
-          f"{cfg.generator.num_replicas} generator + 1 reward processes from {model_dir}")
+    print(
+        f"[meshrl] run dir {run.path}\n[meshrl] starting {cfg.trainer.num_procs} trainer + "
+        f"{cfg.generator.num_replicas} generator + 1 reward processes from {model_dir}"
+    )
     g, eval_tokens = cfg.grpo.group_size, cfg.run.eval_max_tokens or cfg.generator.max_tokens
-    sampling = SamplingParams(max_tokens=cfg.generator.max_tokens, temperature=cfg.generator.temperature,
-                              top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=g,
-                              stop_token_ids=[task.tokenizer.eos_id])
+    sampling = SamplingParams(
+        max_tokens=cfg.generator.max_tokens,
+        temperature=cfg.generator.temperature,
+        top_p=cfg.generator.top_p,
+        top_k=cfg.generator.top_k,
+        n=g,
+        stop_token_ids=[task.tokenizer.eos_id],
+    )
     rng = random.Random(cfg.run.seed)
 
-    with Controller(model_dir=model_dir, model_cfg=cfg.model, trainer_cfg=cfg.trainer, generator_cfg=cfg.generator,
-                    tokenizer=task.tokenizer, reward_weights=task.reward_weights, seed=cfg.run.seed,
-                    call_timeout_s=cfg.run.call_timeout_s) as ctl:
+    with Controller(
+        model_dir=model_dir,
+        model_cfg=cfg.model,
+        trainer_cfg=cfg.trainer,
+        generator_cfg=cfg.generator,
+        tokenizer=task.tokenizer,
+        reward_weights=task.reward_weights,
+        seed=cfg.run.seed,
+        call_timeout_s=cfg.run.call_timeout_s,
+    ) as ctl:
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         if cfg.warmup.steps:
-            print(f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
-                  "demonstrations (same forward_backward/optim_step endpoints), then RL")
-            supervised_warmup(ctl, task, cfg.warmup, micro_batch_size=cfg.trainer.micro_batch_size,
-                              optim=cfg.optim, seed=cfg.run.seed, log=run.log)
+            print(
+                f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
+                "demonstrations (same forward_backward/optim_step endpoints), then RL"
+            )
+            supervised_warmup(
+                ctl,
+                task,
+                cfg.warmup,
+                micro_batch_size=cfg.trainer.micro_batch_size,
+                optim=cfg.optim,
+                seed=cfg.run.seed,
+                log=run.log,
+            )
             ctl.sync_weights()
         before = evaluate(ctl, task, task.eval, eval_tokens)
         run.log({"phase": "eval", "when": "before_rl", **before})
@@ -80,18 +104,35 @@ def main(cfg: GRPORunConfig) -> dict:
             advantages = group_advantages(rewards, g, normalize_std=cfg.grpo.normalize_std)
             t2 = time.perf_counter()
 
-            data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs, a)
-                    for c, a in zip(completions, advantages, strict=True)]
-            loss = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data),
-                            params={"clip_low": cfg.grpo.clip_low, "clip_high": cfg.grpo.clip_high},
-                            temperature=cfg.generator.temperature)
+            data = [
+                Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs, a)
+                for c, a in zip(completions, advantages, strict=True)
+            ]
+            loss = LossSpec(
+                "grpo",
+                num_loss_tokens=sum(d.num_loss_tokens for d in data),
+                params={"clip_low": cfg.grpo.clip_low, "clip_high": cfg.grpo.clip_high},
+                temperature=cfg.generator.temperature,
+            )
             pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
             results = [p.result() for p in pending]
-            lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=cfg.grpo.steps, schedule=cfg.optim.schedule,
-                       warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
-            opt = ctl.optim_step(OptimParams(lr=lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                             weight_decay=cfg.optim.weight_decay,
-                                             grad_clip=cfg.optim.grad_clip)).result()
+            lr = lr_at(
+                step,
+                peak_lr=cfg.optim.lr,
+                total_steps=cfg.grpo.steps,
+                schedule=cfg.optim.schedule,
+                warmup_steps=cfg.optim.warmup_steps,
+                min_lr_ratio=cfg.optim.min_lr_ratio,
+            )
+            opt = ctl.optim_step(
+                OptimParams(
+                    lr=lr,
+                    betas=cfg.optim.betas,
+                    eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay,
+                    grad_clip=cfg.optim.grad_clip,
+                )
+            ).result()
             t3 = time.perf_counter()
 
             sync = ctl.sync_weights()
@@ -100,15 +141,24 @@ def main(cfg: GRPORunConfig) -> dict:
             mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
             n_tokens = sum(len(d.tokens) for d in data)
             record = {
-                "phase": "rl", "step": step, "policy_version": opt.policy_version,
-                "reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-                "loss": sum(r.loss for r in results), "grad_norm": opt.grad_norm, "lr": opt.lr,
+                "phase": "rl",
+                "step": step,
+                "policy_version": opt.policy_version,
+                "reward_mean": statistics.fmean(rewards),
+                "reward_std": statistics.pstdev(rewards),
+                "loss": sum(r.loss for r in results),
+                "grad_norm": opt.grad_norm,
+                "lr": opt.lr,
                 "clip_frac": sum(r.metrics["clip_frac"] for r in results) / loss.num_loss_tokens,
-                "logprob_diff_mean": mismatch_mean, "logprob_diff_max": mismatch_max,
+                "logprob_diff_mean": mismatch_mean,
+                "logprob_diff_max": mismatch_max,
                 "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
                 "tokens_per_s": n_tokens / (t4 - t0),
-                "time_generate_s": t1 - t0, "time_score_s": t2 - t1, "time_train_s": t3 - t2,
-                "time_weight_sync_s": t4 - t3, "weight_sync_bytes": sync.bytes,
+                "time_generate_s": t1 - t0,
+                "time_score_s": t2 - t1,
+                "time_train_s": t3 - t2,
+                "time_weight_sync_s": t4 - t3,
+                "weight_sync_bytes": sync.bytes,
             }
             run.log(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{mismatch_max:.1e}")
@@ -122,18 +172,27 @@ def main(cfg: GRPORunConfig) -> dict:
     first = statistics.fmean(r["reward_mean"] for r in rl[:k]) if rl else float("nan")
     last = statistics.fmean(r["reward_mean"] for r in rl[-k:]) if rl else float("nan")
     summary = {
-        "reward_first5_mean": first, "reward_last5_mean": last, "reward_gain": last - first,
-        "eval_accuracy_before_rl": before["accuracy"], "eval_accuracy_after_rl": after["accuracy"],
-        "warmup_steps": cfg.warmup.steps, "rl_steps": cfg.grpo.steps,
-        "run_dir": str(run.path), "final_checkpoint": final_dir, "metrics": str(run.metrics_path),
+        "reward_first5_mean": first,
+        "reward_last5_mean": last,
+        "reward_gain": last - first,
+        "eval_accuracy_before_rl": before["accuracy"],
+        "eval_accuracy_after_rl": after["accuracy"],
+        "warmup_steps": cfg.warmup.steps,
+        "rl_steps": cfg.grpo.steps,
+        "run_dir": str(run.path),
+        "final_checkpoint": final_dir,
+        "metrics": str(run.metrics_path),
         "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")),
     }
     run.write_json("summary.json", summary)
     print(f"[meshrl] reward: first 5 steps {first:.3f} → last 5 steps {last:.3f} (gain {last - first:+.3f})")
-    print(f"[meshrl] held-out exact match (greedy): before RL {before['accuracy']:.3f} → after RL "
-          f"{after['accuracy']:.3f}")
-    print(f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
-          f"[meshrl] checkpoint: {final_dir} (HF format)\n[meshrl] summary:    {run.path / 'summary.json'}")
+    print(
+        f"[meshrl] held-out exact match (greedy): before RL {before['accuracy']:.3f} → after RL {after['accuracy']:.3f}"
+    )
+    print(
+        f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
+        f"[meshrl] checkpoint: {final_dir} (HF format)\n[meshrl] summary:    {run.path / 'summary.json'}"
+    )
     return summary
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 from meshrl.controller.api import Controller
+
 from meshrl.schedule import lr_at
 from meshrl.tasks import Example, Task
 from meshrl.types import Datum, LossSpec, OptimParams, SamplingParams
@@ -45,5 +46,13 @@ def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int
         nll = sum(p.result().loss for p in pending)
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
         opt = ctl.optim_step(OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)).result()
-        log({"phase": "warmup", "step": step, "loss": nll, "grad_norm": opt.grad_norm, "lr": lr,
-             "policy_version": opt.policy_version})
+        log(
+            {
+                "phase": "warmup",
+                "step": step,
+                "loss": nll,
+                "grad_norm": opt.grad_norm,
+                "lr": lr,
+                "policy_version": opt.policy_version,
+            }
+        )

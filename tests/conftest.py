@@ -23,14 +23,16 @@ def tokenizer():
 def base_model_dir(tmp_path_factory, tokenizer) -> str:
     from meshrl.models.qwen3 import create_random_checkpoint
 
-    return str(create_random_checkpoint(tmp_path_factory.mktemp("base") / "model", flavor="tiny",
-                                        tokenizer=tokenizer, seed=0))
+    return str(
+        create_random_checkpoint(tmp_path_factory.mktemp("base") / "model", flavor="tiny", tokenizer=tokenizer, seed=0)
+    )
 
 
 @pytest.fixture(scope="session")
 def ctl(base_model_dir, tokenizer):
-    from meshrl.config import GeneratorConfig, ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
+
+    from meshrl.config import GeneratorConfig, ModelConfig, TrainerConfig
 
     c = Controller(
         model_dir=base_model_dir,

@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+from meshrl.configs import PRESETS
+from meshrl.controller.cli import parse_run_config
 
 from meshrl.config import (
     ConfigError,
@@ -13,8 +15,6 @@ from meshrl.config import (
     TaskConfig,
     TrainerConfig,
 )
-from meshrl.configs import PRESETS
-from meshrl.controller.cli import parse_run_config
 
 
 def test_presets_are_valid():
@@ -25,8 +25,10 @@ def test_presets_are_valid():
 
 def test_global_batch_not_divisible_by_micro_batch():
     with pytest.raises(ConfigError, match=r"global_batch_size=30 .* not divisible by trainer.micro_batch_size=4"):
-        GRPORunConfig(trainer=TrainerConfig(num_procs=2, micro_batch_size=4),
-                      grpo=GRPOConfig(prompts_per_step=15, group_size=2))
+        GRPORunConfig(
+            trainer=TrainerConfig(num_procs=2, micro_batch_size=4),
+            grpo=GRPOConfig(prompts_per_step=15, group_size=2),
+        )
 
 
 def test_micro_batch_not_divisible_by_dp():
@@ -43,7 +45,10 @@ def test_prompt_plus_completion_longer_than_engine_limit():
     "make, message",
     [
         (lambda: TaskConfig(num_train=0), "training set is empty"),
-        (lambda: TaskConfig(reward_weights={"telepathy": 1.0}), r"unknown reward function\(s\) \['telepathy'\]"),
+        (
+            lambda: TaskConfig(reward_weights={"telepathy": 1.0}),
+            r"unknown reward function\(s\) \['telepathy'\]",
+        ),
         (lambda: GRPOConfig(group_size=1), "at least 2 completions"),
         (lambda: GeneratorConfig(temperature=0.0), "temperature > 0"),
         (lambda: GRPOConfig(clip_low=1.5), "clip_low=1.5"),
@@ -55,8 +60,10 @@ def test_bad_values_are_named(make, message):
 
 
 def test_cli_overrides_and_presets(capsys):
-    cfg = parse_run_config(GRPORunConfig, argv=["--preset", "tiny-reverse", "--grpo.steps", "7",
-                                                "--trainer.micro-batch-size", "32"])
+    cfg = parse_run_config(
+        GRPORunConfig,
+        argv=["--preset", "tiny-reverse", "--grpo.steps", "7", "--trainer.micro-batch-size", "32"],
+    )
     assert cfg.grpo.steps == 7 and cfg.trainer.micro_batch_size == 32
     with pytest.raises(SystemExit, match="unknown preset"):
         parse_run_config(GRPORunConfig, argv=["--preset", "huge"])
@@ -67,9 +74,20 @@ def test_cli_overrides_and_presets(capsys):
 
 
 def test_cli_help_lists_every_section():
-    out = subprocess.run([sys.executable, "-m", "meshrl.controller.grpo", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshrl.controller.grpo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
-    for field in ("--grpo.group-size", "--trainer.micro-batch-size", "--generator.max-model-len",
-                  "--optim.lr", "--warmup.steps", "--task.reward-weights", "--model.path"):
+    for field in (
+        "--grpo.group-size",
+        "--trainer.micro-batch-size",
+        "--generator.max-model-len",
+        "--optim.lr",
+        "--warmup.steps",
+        "--task.reward-weights",
+        "--model.path",
+    ):
         assert field in out.stdout, field

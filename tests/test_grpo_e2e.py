@@ -10,18 +10,52 @@ import pytest
 import torch
 
 METRIC_FIELDS = {
-    "reward_mean", "reward_std", "loss", "grad_norm", "lr", "policy_version", "logprob_diff_mean",
-    "logprob_diff_max", "tokens_per_s", "time_generate_s", "time_score_s", "time_train_s", "time_weight_sync_s",
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "grad_norm",
+    "lr",
+    "policy_version",
+    "logprob_diff_mean",
+    "logprob_diff_max",
+    "tokens_per_s",
+    "time_generate_s",
+    "time_score_s",
+    "time_train_s",
+    "time_weight_sync_s",
 }
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    cmd = [sys.executable, "-m", "meshrl.controller.grpo", "--preset", "tiny-reverse",
-           "--warmup.steps", "3", "--grpo.steps", "3", "--grpo.prompts-per-step", "4",
-           "--trainer.micro-batch-size", "16", "--warmup.batch-size", "16", "--task.num-train", "200",
-           "--task.num-eval", "8", "--run.output-dir", str(out), "--run.name", "e2e", "--run.call-timeout-s", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrl.controller.grpo",
+        "--preset",
+        "tiny-reverse",
+        "--warmup.steps",
+        "3",
+        "--grpo.steps",
+        "3",
+        "--grpo.prompts-per-step",
+        "4",
+        "--trainer.micro-batch-size",
+        "16",
+        "--warmup.batch-size",
+        "16",
+        "--task.num-train",
+        "200",
+        "--task.num-eval",
+        "8",
+        "--run.output-dir",
+        str(out),
+        "--run.name",
+        "e2e",
+        "--run.call-timeout-s",
+        "120",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "held-out exact match (greedy): before RL" in proc.stdout
@@ -41,7 +75,12 @@ def test_run_directory_has_config_metrics_plot_and_summary(run_dir):
     assert len([r for r in records if r["phase"] == "warmup"]) == 3
     assert {r.get("when") for r in records if r["phase"] == "eval"} == {"before_rl", "after_rl"}
     summary = json.loads((run_dir / "summary.json").read_text())
-    for key in ("reward_first5_mean", "reward_last5_mean", "eval_accuracy_before_rl", "eval_accuracy_after_rl"):
+    for key in (
+        "reward_first5_mean",
+        "reward_last5_mean",
+        "eval_accuracy_before_rl",
+        "eval_accuracy_after_rl",
+    ):
         assert isinstance(summary[key], float)
     png = (run_dir / "reward_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

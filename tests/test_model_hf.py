@@ -32,8 +32,12 @@ def test_random_checkpoint_loads_in_transformers_with_same_logits(base_model_dir
 
 def test_hf_roundtrip_is_exact(base_model_dir, tmp_path):
     model, tcfg = _titan_model(base_model_dir)
-    out = qwen3.save_hf_checkpoint(tmp_path / "ckpt", qwen3.titan_to_hf(model.state_dict(), tcfg),
-                                   qwen3.read_hf_config(base_model_dir), tokenizer_dir=base_model_dir)
+    out = qwen3.save_hf_checkpoint(
+        tmp_path / "ckpt",
+        qwen3.titan_to_hf(model.state_dict(), tcfg),
+        qwen3.read_hf_config(base_model_dir),
+        tokenizer_dir=base_model_dir,
+    )
     a, b = qwen3.load_hf_state_dict(base_model_dir), qwen3.load_hf_state_dict(out)
     assert a.keys() == b.keys()
     for k in a:

@@ -75,9 +75,7 @@ def _save_tokenizer(path: str, eos_token_id: int) -> None:
 @torch.no_grad()
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-    )
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
 
 
@@ -257,9 +255,7 @@ def test_load_weights_then_matches_new_model(setup):
     restored = engine.generate(prompts, greedy, 2)
     assert [c[0].token_ids for c in restored] == [c[0].token_ids for c in before]
     for r, b in zip(restored, before, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(r[0].logprobs), torch.tensor(b[0].logprobs), atol=ATOL, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor(r[0].logprobs), torch.tensor(b[0].logprobs), atol=ATOL, rtol=0)
 
 
 def test_validation_errors(setup):

@@ -68,9 +68,7 @@ class WeightSyncTester(Actor):
 
     @endpoint
     async def push(self, seed: int, version: int, dtype: torch.dtype | None, prefix: str) -> int:
-        return await push_weights(
-            make_state_dict(seed), version, dtype=dtype, store_name=STORE, prefix=prefix
-        )
+        return await push_weights(make_state_dict(seed), version, dtype=dtype, store_name=STORE, prefix=prefix)
 
     @endpoint
     async def pull(self, version: int, prefix: str) -> dict[str, torch.Tensor]:

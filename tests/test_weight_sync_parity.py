@@ -58,8 +58,12 @@ def test_generator_logprobs_match_trainer_on_sampled_completions(ctl, tokenizer)
     groups = ctl.generate([tokenizer.encode(s) for s in ("abc=", "hgfe=")], params).result()
     data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for g in groups for c in g]
     got = ctl.forward(data, temperature=0.8).result()
-    diffs = [abs(t - g) for d, lp in zip(data, got, strict=True)
-             for t, g, m in zip(lp, d.old_logprobs, d.loss_mask, strict=True) if m]
+    diffs = [
+        abs(t - g)
+        for d, lp in zip(data, got, strict=True)
+        for t, g, m in zip(lp, d.old_logprobs, d.loss_mask, strict=True)
+        if m
+    ]
     assert len(diffs) >= 8 and max(diffs) < 1e-4
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: list[float], group_size: int, *, normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: list[float], group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> list[float]:
     """GRPO: (r - mean of its group) / (std of its group + eps); Dr.GRPO-style without the std.
 
     `rewards` is laid out group by group: rewards[g * group_size + i] is completion i of prompt g.

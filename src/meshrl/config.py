@@ -143,8 +143,7 @@ class GRPOConfig:
             raise ConfigError(f"grpo.prompts_per_step={self.prompts_per_step} must be >= 1")
         if self.group_size < 2:
             raise ConfigError(
-                f"grpo.group_size={self.group_size}: group-relative advantages need at least 2 completions "
-                "per prompt"
+                f"grpo.group_size={self.group_size}: group-relative advantages need at least 2 completions per prompt"
             )
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ConfigError(

@@ -16,17 +16,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.losses import LossBatch, get_loss
 from meshrl.models import qwen3
+from meshrl.models.titan_backend import TorchtitanBackend, full_tensor
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch.Tensor, LossBatch]:
@@ -72,49 +66,13 @@ class Policy:
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
-        self.hf_config = qwen3.read_hf_config(model_dir)
-        self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
-        self.max_seq_len = int(self.hf_config["max_position_embeddings"])
-        self.model = self._build_fsdp_model(param_dtype)
+        self.backend = TorchtitanBackend(
+            model_dir, device=self.device, attn_backend=attn_backend, param_dtype=param_dtype
+        )
+        self.model, self.max_seq_len = self.backend.model, self.backend.max_seq_len
         self.policy_version = 0
         self.load_hf(model_dir)
         self.num_params = sum(p.numel() for p in self.model.parameters())
-
-    # ---- construction -------------------------------------------------------------------------------------
-    def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
-        import torchtitan.distributed.parallel_dims as parallel_dims_mod
-        from torch.distributed.fsdp import FSDPModule
-        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-        from torchtitan.distributed import ParallelDims
-        from torchtitan.models.qwen3 import parallelize_qwen3
-
-        if self.device.type == "cpu":
-            # torchtitan assumes an accelerator; on CPU its meshes must be built for "cpu" (gloo).
-            parallel_dims_mod.device_type = "cpu"
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
-        parallel_dims = ParallelDims.from_config(parallelism, self.world_size)
-        parallel_dims.build_mesh()
-        model = qwen3.build_model_on_meta(self.titan_config)
-        parallelize_qwen3(
-            model,
-            parallel_dims=parallel_dims,
-            training=TrainingConfig(mixed_precision_param=param_dtype),
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=False),
-            ac_config=None,
-            dump_folder=os.devnull,
-        )
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                # Sum (not average) gradients over ranks: each rank's loss is already divided by the global
-                # token count, so the sum is exactly the gradient of one big batch.
-                m.set_gradient_divide_factor(1.0)
-                if self.device.type == "cpu":
-                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_states(buffer_device=self.device)  # RoPE buffers; weights are loaded next
-        return model
 
     # ---- the endpoint math --------------------------------------------------------------------------------
     def _local_shard(self, data: list[Datum]) -> list[Datum]:
@@ -131,7 +89,7 @@ class Policy:
                 f"a sequence of {longest} tokens exceeds the model's limit of {self.max_seq_len} "
                 "(max_position_embeddings); shorten prompts or lower generator.max_tokens"
             )
-        vocab = self.titan_config.vocab_size
+        vocab = self.backend.vocab_size
         for i, d in enumerate(data):
             if min(d.tokens) < 0 or max(d.tokens) >= vocab:
                 raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
@@ -139,7 +97,7 @@ class Policy:
         return data[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def _logprobs(self, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        return target_logprobs(self.model(tokens), tokens, temperature)
+        return target_logprobs(self.backend.logits(tokens), tokens, temperature)
 
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
         loss_fn = get_loss(loss.name)
@@ -172,7 +130,7 @@ class Policy:
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -190,8 +148,7 @@ class Policy:
     # ---- weights in and out -------------------------------------------------------------------------------
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under HF names. Collective: every rank must call it."""
-        full = {k: _full(v) for k, v in self.model.state_dict().items()}
-        hf = qwen3.titan_to_hf(full, self.titan_config)
+        hf = self.backend.hf_state_dict()
         return {k: (v.to(dtype) if dtype is not None else v).detach() for k, v in hf.items()}
 
     def save_hf(self, path: str, dtype: torch.dtype | None = None) -> str | None:
@@ -199,33 +156,14 @@ class Policy:
         hf = self.hf_state_dict(dtype)
         out = None
         if self.rank == 0:
-            out = str(qwen3.save_hf_checkpoint(path, hf, self.hf_config, tokenizer_dir=self.model_dir))
+            out = str(qwen3.save_hf_checkpoint(path, hf, self.backend.hf_config, tokenizer_dir=self.model_dir))
         dist.barrier()
         return out
 
     def load_hf(self, path: str) -> None:
         """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
         fresh. New weights are a new policy: the version is bumped (except for the initial load)."""
-        hf_cfg = qwen3.read_hf_config(path)
-        for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
-            if hf_cfg.get(key) != self.hf_config.get(key):
-                raise ValueError(
-                    f"checkpoint {path} has {key}={hf_cfg.get(key)} but the trainer's model has "
-                    f"{self.hf_config.get(key)}: it is a different architecture"
-                )
-        titan_sd = qwen3.hf_to_titan(qwen3.load_hf_state_dict(path), self.titan_config)
-        current = self.model.state_dict()
-        missing, unexpected = current.keys() - titan_sd.keys(), titan_sd.keys() - current.keys()
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
-        with torch.no_grad():
-            for name, param in current.items():
-                full = titan_sd[name].to(device=self.device, dtype=param.dtype)
-                if isinstance(param, DTensor):
-                    # Every rank holds the full tensor; keep this rank's shard.
-                    full = distribute_tensor(full, param.device_mesh, param.placements)
-                param.copy_(full)
+        self.backend.load_hf(path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1

@@ -47,8 +47,13 @@ def plot_rewards(records: list[dict[str, Any]], path: Path, title: str = "GRPO r
     std = [r["reward_std"] for r in rl]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, mean, label="reward mean")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                    [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2, label="± std")
+    ax.fill_between(
+        steps,
+        [m - s for m, s in zip(mean, std, strict=True)],
+        [m + s for m, s in zip(mean, std, strict=True)],
+        alpha=0.2,
+        label="± std",
+    )
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward")
     ax.set_title(title)

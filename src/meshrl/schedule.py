@@ -5,8 +5,15 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, peak_lr: float, total_steps: int, schedule: str = "constant", warmup_steps: int = 0,
-          min_lr_ratio: float = 0.1) -> float:
+def lr_at(
+    step: int,
+    *,
+    peak_lr: float,
+    total_steps: int,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    min_lr_ratio: float = 0.1,
+) -> float:
     """LR for optimiser step `step` (0-based): linear warm-up, then constant / cosine / linear decay."""
     if warmup_steps and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps

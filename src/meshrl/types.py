@@ -66,7 +66,11 @@ class Datum:
 
     @classmethod
     def from_completion(
-        cls, prompt_ids: list[int], response_ids: list[int], logprobs: list[float] | None = None, advantage: float = 0.0
+        cls,
+        prompt_ids: list[int],
+        response_ids: list[int],
+        logprobs: list[float] | None = None,
+        advantage: float = 0.0,
     ) -> Datum:
         """Prompt + response, with the loss on the response tokens only."""
         if not response_ids:

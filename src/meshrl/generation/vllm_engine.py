@@ -148,9 +148,7 @@ class VLLMEngine:
             detokenize=False,
         )
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, policy_version: int
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
         """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
 
         temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
@@ -177,9 +175,7 @@ class VLLMEngine:
             self._vllm_params(params, n_req, None if params.seed is None else params.seed + i * params.n)
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False
-        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False)
 
         results: list[list[Completion]] = []
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -276,8 +272,7 @@ class VLLMEngine:
         if not state_dict:
             raise ValueError("load_weights got an empty state dict")
         weights = [
-            (name, t.detach().to(device="cpu", dtype=self.torch_dtype).contiguous())
-            for name, t in state_dict.items()
+            (name, t.detach().to(device="cpu", dtype=self.torch_dtype).contiguous()) for name, t in state_dict.items()
         ]
         counts = self.llm.collective_rpc(_UPDATE_METHOD, args=(weights,))
         if any(c != len(weights) for c in counts):

@@ -82,9 +82,9 @@ def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
     from torchtitan.models.qwen3 import (
         _EMBEDDING_SKIP_INIT,
         _LINEAR_INIT,
+        Qwen3Model,
         _build_qwen3_layers,
         _qwen3_norm,
-        Qwen3Model,
     )
 
     if hf.get("model_type") not in (None, "qwen3"):
@@ -183,13 +183,18 @@ def save_hf_checkpoint(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         from transformers import GenerationConfig
 
-        GenerationConfig(**{k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
-                         ).save_pretrained(tmp)
+        GenerationConfig(
+            **{k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
+        ).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif tokenizer_dir is not None:
             for f in Path(tokenizer_dir).iterdir():
-                if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt"):
+                if f.name.startswith("tokenizer") or f.name in (
+                    "special_tokens_map.json",
+                    "vocab.json",
+                    "merges.txt",
+                ):
                     shutil.copy2(f, tmp / f.name)
         old = None
         if path.exists():

@@ -275,9 +275,7 @@ async def list_versions(store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_P
     return sorted(out)
 
 
-async def delete_weights(
-    version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX
-) -> None:
+async def delete_weights(version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> None:
     """Free ``version``'s tensors (no-op if it is not there).
 
     The manifest goes first, so new pulls of ``version`` fail cleanly while tensors are being

@@ -1,0 +1,110 @@
+"""Trainer model backend 'torchtitan': Qwen3 built on the meta device, FSDP2 through torchtitan's
+parallelize, materialised on the rank's device, HF weights in and out through the state-dict adapter.
+
+A backend owns the (sharded) module and the conversion to and from HF tensors; `meshrl.policy.Policy` owns
+the optimiser and the endpoint math, whatever the backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshrl.models import qwen3
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], *, source: str) -> None:
+    """Copy full (unsharded) tensors into a possibly FSDP-sharded module; every rank passes the same tensors."""
+    current = model.state_dict()
+    missing, unexpected = current.keys() - full.keys(), full.keys() - current.keys()
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {source} does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    with torch.no_grad():
+        for name, param in current.items():
+            value = full[name].to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value, param.device_mesh, param.placements)  # keep this rank's shard
+            param.copy_(value)
+
+
+class TorchtitanBackend:
+    name = "torchtitan"
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: torch.device,
+        attn_backend: str = "sdpa",
+        param_dtype: str = "float32",
+    ) -> None:
+        self.device = device
+        self.hf_config = qwen3.read_hf_config(model_dir)
+        self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
+        self.max_seq_len = int(self.hf_config["max_position_embeddings"])
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.model = self._build_fsdp_model(param_dtype)
+
+    def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
+        import torchtitan.distributed.parallel_dims as parallel_dims_mod
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.models.qwen3 import parallelize_qwen3
+
+        if self.device.type == "cpu":
+            # torchtitan assumes an accelerator; on CPU its meshes must be built for "cpu" (gloo).
+            parallel_dims_mod.device_type = "cpu"
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+        parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+        parallel_dims.build_mesh()
+        model = qwen3.build_model_on_meta(self.titan_config)
+        parallelize_qwen3(
+            model,
+            parallel_dims=parallel_dims,
+            training=TrainingConfig(mixed_precision_param=param_dtype),
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder=os.devnull,
+        )
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                # Sum (not average) gradients over ranks: each rank's loss is already divided by the global
+                # token count, so the sum is exactly the gradient of one big batch.
+                m.set_gradient_divide_factor(1.0)
+                if self.device.type == "cpu":
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_states(buffer_device=self.device)  # RoPE buffers; weights are loaded next
+        return model
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under HF names. Collective: every rank must call it."""
+        full = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+        return qwen3.titan_to_hf(full, self.titan_config)
+
+    def load_hf(self, path: str) -> None:
+        hf_cfg = qwen3.read_hf_config(path)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+            if hf_cfg.get(key) != self.hf_config.get(key):
+                raise ValueError(
+                    f"checkpoint {path} has {key}={hf_cfg.get(key)} but the trainer's model has "
+                    f"{self.hf_config.get(key)}: it is a different architecture"
+                )
+        titan_sd = qwen3.hf_to_titan(qwen3.load_hf_state_dict(path), self.titan_config)
+        load_full_state_dict(self.model, titan_sd, source=path)
