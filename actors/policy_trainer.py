@@ -39,6 +39,8 @@ class PolicyTrainer(Actor):
             param_dtype=self.model_cfg.dtype,
             device=self.trainer_cfg.device,
             pad_id=self.pad_id,
+            backend=self.model_cfg.backend,
+            backend_options=self.model_cfg.backend_options(),
         )
         return self._info()
 

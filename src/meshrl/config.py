@@ -29,8 +29,13 @@ class ModelConfig:
     """Trainer parameter dtype (FSDP mixed-precision param dtype)."""
     seed: int = 0
     """Seed of the random initialisation (used only without `path`)."""
+    backend: Literal["torchtitan", "hf"] = "torchtitan"
+    """Trainer model code: 'torchtitan' (Qwen3, torchtitan's parallelize) or 'hf' (any transformers causal LM
+    under FSDP2; needs neither torchtitan nor vLLM)."""
 
     def __post_init__(self) -> None:
+        if self.backend not in ("torchtitan", "hf"):
+            raise ConfigError(f"model.backend={self.backend!r}; use 'torchtitan' or 'hf'")
         if self.path is None and self.flavor != "tiny":
             from meshrl.models.qwen3 import TITAN_FLAVORS
 
@@ -39,6 +44,10 @@ class ModelConfig:
                     f"model.flavor={self.flavor!r} is unknown; use 'tiny' or one of {sorted(TITAN_FLAVORS)}, "
                     "or set model.path to an HF checkpoint dir"
                 )
+
+    def backend_options(self) -> dict:
+        """Keyword arguments of the chosen backend's constructor beyond attention kernel and dtype."""
+        return {}
 
 
 @dataclass

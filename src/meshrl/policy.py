@@ -59,6 +59,8 @@ class Policy:
         param_dtype: str = "float32",
         device: str = "cpu",
         pad_id: int = 0,
+        backend: str = "torchtitan",
+        backend_options: dict | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
@@ -66,9 +68,26 @@ class Policy:
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
-        self.backend = TorchtitanBackend(
-            model_dir, device=self.device, attn_backend=attn_backend, param_dtype=param_dtype
-        )
+        if backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
+            from meshrl.models.hf_backend import HFBackend
+
+            self.backend = HFBackend(
+                model_dir,
+                device=self.device,
+                attn_backend=attn_backend,
+                param_dtype=param_dtype,
+                **(backend_options or {}),
+            )
+        elif backend == "torchtitan":
+            self.backend = TorchtitanBackend(
+                model_dir,
+                device=self.device,
+                attn_backend=attn_backend,
+                param_dtype=param_dtype,
+                **(backend_options or {}),
+            )
+        else:
+            raise ValueError(f"model backend {backend!r}; use 'torchtitan' or 'hf'")
         self.model, self.max_seq_len = self.backend.model, self.backend.max_seq_len
         self.policy_version = 0
         self.load_hf(model_dir)

@@ -1,0 +1,316 @@
+"""Trainer model backend 'hf': any transformers causal LM, built on the meta device, FSDP2-sharded
+(`fully_shard` per decoder layer + the root, mixed precision), materialised on the rank's device, HF
+checkpoints in and out under the model's own names.
+
+Same interface as `TorchtitanBackend` (attributes `model`, `hf_config`, `max_seq_len`, `vocab_size`; methods
+`logits`, `hf_state_dict`, `load_hf`), so `meshrl.policy.Policy` runs the same endpoint and loss code on top.
+Nothing here imports torchtitan or vLLM: this path runs on the GPU machine's preinstalled torch.
+
+Gradient semantics: Policy divides each rank's loss by the GLOBAL token count, so FSDP must SUM gradients over
+ranks (`set_gradient_divide_factor(1.0)`; on CPU gloo lacks PREMUL_SUM, hence force-sum reduction).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshrl.models import qwen3
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformers model (the classes it lists in `_no_split_modules`), in order;
+    failing that, the children of its longest `nn.ModuleList`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
+    return list(max(lists, key=len))
+
+
+def init_non_persistent_buffers(model: nn.Module) -> None:
+    """Recompute buffers that are not in checkpoints (RoPE `inv_freq`, ...) after `to_empty`.
+
+    transformers itself materialises models from the meta device and re-initialises exactly these modules
+    with `PreTrainedModel._init_weights`; we call it on modules that own buffers but no parameters, so no
+    weight is touched (weights come from the checkpoint)."""
+    init_fn = getattr(model, "_init_weights", None)
+    for m in model.modules():
+        has_buffers = any(b is not None for b in m.buffers(recurse=False))
+        if has_buffers and not any(True for _ in m.parameters(recurse=False)):
+            if init_fn is None:
+                raise ValueError(f"{type(model).__name__} has no _init_weights to rebuild the buffers of {m}")
+            with torch.no_grad():
+                init_fn(m)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """{alias name: canonical name} for state-dict entries that are the same Parameter (tied embeddings)."""
+    seen: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases[name] = seen[id(t)]
+        else:
+            seen[id(t)] = name
+    return aliases
+
+
+class HFBackend:
+    """A transformers causal LM under FSDP2. `lora`: None, or a dict of `peft.LoraConfig` fields (then only
+    the adapters train, and `hf_state_dict()` returns the merged weights under the base model's names)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: torch.device,
+        attn_backend: str = "sdpa",
+        param_dtype: str = "float32",
+        lora: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if attn_backend not in _ATTN:
+            raise ValueError(f"attn_backend={attn_backend!r}; use one of {sorted(_ATTN)}")
+        if param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype={param_dtype!r}; use one of {sorted(_DTYPES)}")
+        self.device = torch.device(device)
+        self.model_dir = str(model_dir)
+        self.hf_config: dict[str, Any] = qwen3.read_hf_config(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        text = config.get_text_config()
+        self.max_seq_len = int(text.max_position_embeddings)
+        self.vocab_size = int(text.vocab_size)
+        self.seed = seed
+        with torch.device("meta"):
+            # fp32 master weights; FSDP's mixed-precision policy casts to `param_dtype` for compute.
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=_ATTN[attn_backend]
+            )
+        model.config.use_cache = False
+        self.base_model = model  # the transformers model (inside the peft wrapper when LoRA is on)
+        self.lora_config = None
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            self.lora_config = LoraConfig(**{"task_type": "CAUSAL_LM", "lora_dropout": 0.0, **lora})
+            model = get_peft_model(model, self.lora_config)
+        self.model = model
+        self._shard(_DTYPES[param_dtype], activation_checkpointing, compile)
+        self.model.to_empty(device=self.device)
+        init_non_persistent_buffers(self.base_model)
+        self._aliases = {self._hf_name(a): self._hf_name(c) for a, c in tied_aliases(self.model).items()}
+
+    # ---- build ----------------------------------------------------------------------------------------------
+    def _shard(self, param_dtype: torch.dtype, activation_checkpointing: bool, compile: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        layers = self._wrap_layers(decoder_layers(self.base_model), activation_checkpointing, compile)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp)
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                # Sum (not average) gradients over ranks: each rank's loss is already divided by the global
+                # token count, so the sum is exactly the gradient of one big batch.
+                m.set_gradient_divide_factor(1.0)
+                if self.device.type == "cpu":
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def _wrap_layers(self, layers: list[nn.Module], activation_checkpointing: bool, compile: bool) -> list[nn.Module]:
+        """Per decoder layer: activation checkpointing (the layer is recomputed in backward) and/or torch.compile
+        (the layer's forward compiled in place). State-dict names do not change (checkpoint_wrapper strips its
+        own prefix). Returns the blocks to shard (the wrappers when checkpointing)."""
+        if activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl,
+                checkpoint_wrapper,
+            )
+
+            targets = {id(m) for m in layers}
+            wrapped_layers = []
+            for parent in list(self.model.modules()):
+                for child_name, child in list(parent.named_children()):
+                    if id(child) in targets:
+                        wrapped = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                        parent.register_module(child_name, wrapped)
+                        wrapped_layers.append(wrapped)
+            layers = wrapped_layers
+        if compile:
+            for layer in layers:
+                layer.compile(dynamic=False)
+        return layers
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+    # ---- names: our module's state-dict names <-> the HF checkpoint's names ---------------------------------
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        """Module state-dict name -> checkpoint name (drops peft's and checkpoint_wrapper's prefixes)."""
+        for prefix in ("base_model.model.",):
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+        return name.replace("._checkpoint_wrapped_module", "").replace(".base_layer.", ".")
+
+    def _is_adapter(self, name: str) -> bool:
+        return self.lora_config is not None and (".lora_" in name or "modules_to_save" in name)
+
+    # ---- weights out ----------------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under the checkpoint's names (tied aliases left out, as `save_pretrained` does).
+        With LoRA the adapters are merged in: W + scaling · B @ A. Collective: every rank must call it."""
+        sd = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in sd.items():
+            if self._is_adapter(name):
+                continue
+            hf = self._hf_name(name)
+            if hf in self._aliases:
+                continue
+            out[hf] = t
+        if self.lora_config is not None:
+            for prefix, (a, b, scaling) in self._lora_factors(sd).items():
+                w = out[f"{prefix}.weight"]
+                out[f"{prefix}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+        return out
+
+    def _lora_factors(self, sd: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        from peft.tuners.lora import LoraLayer
+
+        factors = {}
+        for mod_name, m in self.model.named_modules():
+            if not isinstance(m, LoraLayer):
+                continue
+            if not isinstance(m.get_base_layer(), nn.Linear):
+                raise NotImplementedError(f"LoRA merge supports nn.Linear targets only, not {type(m).__name__}")
+            for adapter in m.active_adapters:
+                a = sd[f"{mod_name}.lora_A.{adapter}.weight"]
+                b = sd[f"{mod_name}.lora_B.{adapter}.weight"]
+                factors[self._hf_name(mod_name + ".")[:-1]] = (a, b, float(m.scaling[adapter]))
+        return factors
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full adapter tensors under peft's file names (what `PeftModel.from_pretrained` reads). Collective."""
+        if self.lora_config is None:
+            raise ValueError("adapter_state_dict: this model has no LoRA adapters (model.lora_rank=0)")
+        from peft.utils import get_peft_model_state_dict
+
+        sd = {k: full_tensor(v) for k, v in self.model.state_dict().items() if self._is_adapter(k)}
+        return get_peft_model_state_dict(self.model, state_dict=sd)
+
+    def save_adapter(self, path: str) -> str | None:
+        """Adapter-only checkpoint (adapter_model.safetensors + adapter_config.json), written by rank 0,
+        atomically. Collective. Returns the path on rank 0."""
+        import os
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        sd = self.adapter_state_dict()
+        out = None
+        if dist.get_rank() == 0:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+            try:
+                save_file(
+                    {k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(tmp / "adapter_model.safetensors")
+                )
+                cfg = self.lora_config.to_dict()
+                cfg["base_model_name_or_path"] = self.model_dir
+                cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+                (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            out = str(target)
+        dist.barrier()
+        return out
+
+    # ---- weights in -----------------------------------------------------------------------------------------
+    def load_hf(self, path: str) -> None:
+        """Load an HF checkpoint (collective; every rank reads it and keeps its shard). With LoRA the base
+        weights are replaced and the adapters restart from their initialisation (B = 0: the model equals the
+        checkpoint)."""
+        hf_cfg = qwen3.read_hf_config(path)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+            if hf_cfg.get(key) != self.hf_config.get(key):
+                raise ValueError(
+                    f"checkpoint {path} has {key}={hf_cfg.get(key)} but the trainer's model has "
+                    f"{self.hf_config.get(key)}: it is a different architecture"
+                )
+        ckpt = qwen3.load_hf_state_dict(path)
+        for alias, canonical in self._aliases.items():
+            if alias not in ckpt and canonical in ckpt:
+                ckpt[alias] = ckpt[canonical]
+            elif canonical not in ckpt and alias in ckpt:
+                ckpt[canonical] = ckpt[alias]
+        current = self.model.state_dict()
+        wanted = {self._hf_name(k) for k in current if not self._is_adapter(k)}
+        missing = wanted - ckpt.keys()
+        unexpected = ckpt.keys() - wanted
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        with torch.no_grad():
+            for name, param in current.items():
+                if self._is_adapter(name):
+                    continue
+                _copy_full(param, ckpt[self._hf_name(name)])
+        if self.lora_config is not None:
+            self.reset_adapters()
+
+    def reset_adapters(self) -> None:
+        """LoRA's initialisation, the same on every rank (seeded): A ~ kaiming-uniform, B = 0."""
+        g = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            for name, param in self.model.state_dict().items():
+                if ".lora_A." in name:
+                    full = torch.empty(param.shape)
+                    bound = 1.0 / (param.shape[1] ** 0.5)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear / peft
+                    full.uniform_(-bound, bound, generator=g)
+                    _copy_full(param, full)
+                elif ".lora_B." in name or ".lora_embedding_B." in name:
+                    _copy_full(param, torch.zeros(param.shape))
+
+
+def _copy_full(param: torch.Tensor, value: torch.Tensor) -> None:
+    value = value.to(device=param.device, dtype=param.dtype)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"shape mismatch: checkpoint {tuple(value.shape)} vs model {tuple(param.shape)}")
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements)  # keep this rank's shard
+    param.copy_(value)
