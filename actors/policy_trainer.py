@@ -84,11 +84,22 @@ class PolicyTrainer(Actor):
         return await push_weights(state_dict, version)
 
     @endpoint
-    async def save_checkpoint(self, path: str) -> str | None:
-        return self._policy().save_hf(path)
+    async def save_checkpoint(self, path: str) -> None:
+        """Full training state (model + optimiser + policy version), torch DCP, sharded over the ranks."""
+        self._policy().save_state(path)
 
     @endpoint
     async def load_checkpoint(self, path: str) -> int:
-        """Load HF weights; returns the new policy version."""
+        """Restore `save_checkpoint`'s state (any number of ranks); returns the restored policy version."""
+        return self._policy().load_state(path)
+
+    @endpoint
+    async def export_hf(self, path: str, dtype: str | None = None) -> str | None:
+        """Weights in HF format (rank 0 writes atomically); returns the path."""
+        return self._policy().save_hf(path, _DTYPES[dtype] if dtype else None)
+
+    @endpoint
+    async def load_hf(self, path: str) -> int:
+        """Load HF weights (fresh optimiser); returns the new policy version."""
         self._policy().load_hf(path)
         return self._policy().policy_version

@@ -8,6 +8,9 @@ from meshrl.config import (
     GRPORunConfig,
     ModelConfig,
     OptimConfig,
+    RunConfig,
+    SFTConfig,
+    SFTRunConfig,
     TaskConfig,
     TrainerConfig,
     WarmupConfig,
@@ -29,4 +32,18 @@ def tiny_reverse() -> GRPORunConfig:
     )
 
 
+def tiny_reverse_sft() -> SFTRunConfig:
+    """SFT of the tiny Qwen3 on the reversal task's demonstrations (the warm start before GRPO)."""
+    return SFTRunConfig(
+        model=ModelConfig(flavor="tiny", dtype="float32"),
+        trainer=TrainerConfig(num_procs=2, micro_batch_size=64),
+        optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10),
+        generator=GeneratorConfig(num_replicas=1, max_model_len=32, max_tokens=8),
+        sft=SFTConfig(max_steps=300, batch_size=64, eval_every=100),
+        task=TaskConfig(name="reverse", min_len=2, max_len=5, alphabet="abcdefgh"),
+        run=RunConfig(save_every=100),
+    )
+
+
 PRESETS = {"tiny-reverse": tiny_reverse}
+SFT_PRESETS = {"tiny-reverse-sft": tiny_reverse_sft}

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from meshrl.actors import Generator, PolicyTrainer, RewardActor
-from meshrl.actors.reward import Scored
+import monarch.actor
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import this_host
 
+from meshrl.actors import Generator, PolicyTrainer, RewardActor
+from meshrl.actors.reward import Scored
 from meshrl.types import (
     Completion,
     Datum,
@@ -30,6 +32,10 @@ from meshrl.types import (
 from meshrl.weight_sync.store import delete_weights, init_weight_store, shutdown_weight_store
 
 T = TypeVar("T")
+
+
+class ActorDiedError(RuntimeError):
+    """An actor process of the run died (killed, OOM, crashed)."""
 
 
 class Pending(Generic[T]):
@@ -49,6 +55,9 @@ class Pending(Generic[T]):
                     f"{self._what} did not answer within {self._timeout_s:.0f}s (run.call_timeout_s); an actor "
                     "is stuck or its process died"
                 ) from e
+            except SupervisionError as e:
+                first_line = str(e).strip().splitlines()[-1].strip()
+                raise ActorDiedError(f"{self._what} failed because an actor process died: {first_line}") from e
             self._value, self._done = self._combine(values), True
         return self._value
 
@@ -76,32 +85,45 @@ class Controller:
         trainer_cfg,
         generator_cfg,
         tokenizer,
-        reward_weights: dict[str, float],
+        reward_weights: dict[str, float] | None,
         seed: int = 0,
         call_timeout_s: float = 600.0,
     ) -> None:
         from monarch.spmd import setup_torch_elastic_env
 
         self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
+        # Monarch's default reaction to a dead actor process is to exit the controller (KeyboardInterrupt in the
+        # main thread). We record the failure instead; the waiting call raises ActorDiedError, and the program
+        # ends with a message naming the last good checkpoint.
+        self.failures: list[str] = []
+        monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
         host = this_host()
-        self._trainer_procs = host.spawn_procs(per_host={"procs": trainer_cfg.num_procs})
-        self._generator_procs = host.spawn_procs(per_host={"procs": generator_cfg.num_replicas})
-        self._reward_procs = host.spawn_procs(per_host={"procs": 1})
-        setup_torch_elastic_env(self._trainer_procs)  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
-        asyncio.run(init_weight_store())
-        self.trainer = self._trainer_procs.spawn(
+        self._procs = [host.spawn_procs(per_host={"procs": trainer_cfg.num_procs})]
+        setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
+        self.trainer = self._procs[0].spawn(
             "trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, tokenizer.pad_id
         )
-        self.generators = self._generator_procs.spawn("generator", Generator, self.model_dir, generator_cfg, seed)
-        self.reward = self._reward_procs.spawn("reward", RewardActor, tokenizer, reward_weights)
-        self.num_replicas = generator_cfg.num_replicas
-        # Engines and models build in parallel.
-        trainer_ready = Pending([self.trainer.setup.call()], _rank0, call_timeout_s, "PolicyTrainer.setup")
-        gens_ready = Pending(
-            [self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup"
+        # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator.
+        trainer_ready = Pending(
+            [self.trainer.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
         )
-        self.trainer_info = trainer_ready.result()
-        self.generator_info = gens_ready.result()
+        self.generators = self.reward = None
+        self.num_replicas, self.generator_info = 0, []
+        if generator_cfg is not None:
+            asyncio.run(init_weight_store())
+            self._procs.append(host.spawn_procs(per_host={"procs": generator_cfg.num_replicas}))
+            self.generators = self._procs[-1].spawn("generator", Generator, self.model_dir, generator_cfg, seed)
+            self.num_replicas = generator_cfg.num_replicas
+            gens_ready = Pending(
+                [self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup"
+            )
+        if reward_weights is not None:
+            self._procs.append(host.spawn_procs(per_host={"procs": 1}))
+            self.reward = self._procs[-1].spawn("reward", RewardActor, tokenizer, reward_weights)
+        infos = trainer_ready.result()
+        self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
+        if generator_cfg is not None:
+            self.generator_info = gens_ready.result()
         self.policy_version = self.trainer_info["policy_version"]
         self._last_synced: int | None = None
 
@@ -120,20 +142,29 @@ class Controller:
 
         return Pending([self.trainer.optim_step.call(params)], done, self.timeout_s, "optim_step")
 
-    def save_checkpoint(self, path: str) -> str:
-        return Pending([self.trainer.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint").result()
+    def save_checkpoint(self, path: str) -> None:
+        """The trainer's full state (model + optimiser, torch DCP) into `path` (see meshrl.checkpoint for the
+        atomic run checkpoints that also hold the controller's state)."""
+        Pending([self.trainer.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint").result()
 
     def load_checkpoint(self, path: str) -> int:
-        """Load HF weights into the trainer (fresh optimiser); returns the new policy version."""
-        self.policy_version = Pending(
-            [self.trainer.load_checkpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint"
-        ).result()
+        """Restore the trainer's full state, or — for an HF checkpoint dir — just its weights. Returns the policy
+        version now held by the trainer."""
+        from meshrl.checkpoint import is_hf_dir
+
+        endpoint = self.trainer.load_hf if is_hf_dir(path) else self.trainer.load_checkpoint
+        self.policy_version = Pending([endpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint").result()
         return self.policy_version
+
+    def export_hf(self, path: str, dtype: str | None = None) -> str:
+        """The trainer's weights as an HF checkpoint (config, safetensors, tokenizer), written atomically."""
+        return Pending([self.trainer.export_hf.call(path, dtype)], _rank0, self.timeout_s, "export_hf").result()
 
     # ---- weights ------------------------------------------------------------------------------------------
     def sync_weights(self, version: int | None = None) -> WeightSyncTiming:
         """Push the trainer's weights under `version` (default: the current policy version) and make every
         generator load them. Returns when all generators serve exactly that version."""
+        self._need("generators", self.generators)
         version = self.policy_version if version is None else version
         if version == self._last_synced:
             return WeightSyncTiming(version, 0.0, 0.0, 0)  # generators already serve it
@@ -162,6 +193,7 @@ class Controller:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Pending[list[list[Completion]]]:
         """Spread prompts over the generator replicas; completions come back in prompt order, each stamped
         with the policy version that produced it (checked to be the current one)."""
+        self._need("generators", self.generators)
         shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
         futures = [
             self.generators.slice(procs=i).generate.call_one(shard, params, self.policy_version)
@@ -179,21 +211,31 @@ class Controller:
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
         """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
+        self._need("generators", self.generators)
         fut = self.generators.slice(procs=0).prompt_logprobs.call_one(sequences)
         return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
 
     def score(self, completion_ids: list[list[int]], answers: list[str]) -> Pending[list[Scored]]:
+        self._need("a reward actor", self.reward)
         return Pending([self.reward.score.call_one(completion_ids, answers)], lambda v: v[0], self.timeout_s, "score")
+
+    @staticmethod
+    def _need(what: str, mesh: Any) -> None:
+        if mesh is None:
+            raise RuntimeError(f"this Controller was started without {what} (generator_cfg / reward_weights None)")
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        try:
-            asyncio.run(asyncio.wait_for(shutdown_weight_store(), 60))
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-        for procs in (self._trainer_procs, self._generator_procs, self._reward_procs):
+        # After a process died, do not wait long on a mesh that cannot answer.
+        timeout = 10 if self.failures else 60
+        if self.generators is not None:
             try:
-                procs.stop().get(timeout=60)
+                asyncio.run(asyncio.wait_for(shutdown_weight_store(), timeout))
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        for procs in self._procs:
+            try:
+                procs.stop().get(timeout=timeout)
             except Exception:  # noqa: BLE001 - best effort: the processes may already be gone
                 pass
 

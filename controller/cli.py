@@ -12,23 +12,31 @@ from meshrl.config import ConfigError
 T = TypeVar("T")
 
 
-def parse_run_config(cls: type[T], *, description: str | None = None, argv: list[str] | None = None) -> T:
-    from meshrl.configs import PRESETS
+def parse_run_config(
+    cls: type[T],
+    *,
+    description: str | None = None,
+    argv: list[str] | None = None,
+    presets: dict | None = None,
+    default_preset: str = "tiny-reverse",
+) -> T:
+    if presets is None:
+        from meshrl.configs import PRESETS as presets
 
     args = list(sys.argv[1:] if argv is None else argv)
-    preset = "tiny-reverse"
+    preset = default_preset
     if "--preset" in args:
         i = args.index("--preset")
         if i + 1 >= len(args):
-            sys.exit(f"--preset needs a name: {sorted(PRESETS)}")
+            sys.exit(f"--preset needs a name: {sorted(presets)}")
         preset = args[i + 1]
         del args[i : i + 2]
-    if preset not in PRESETS:
-        sys.exit(f"unknown preset {preset!r}; presets: {sorted(PRESETS)}")
+    if preset not in presets:
+        sys.exit(f"unknown preset {preset!r}; presets: {sorted(presets)}")
     try:
         return tyro.cli(
             cls,
-            default=PRESETS[preset](),
+            default=presets[preset](),
             args=args,
             description=f"{description or ''}\nStarting from preset {preset!r}.",
         )

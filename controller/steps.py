@@ -6,8 +6,8 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
-from meshrl.controller.api import Controller
-
+from meshrl.checkpoint import TRAINER_DIR, CheckpointManager, resume_command
+from meshrl.controller.api import ActorDiedError, Controller
 from meshrl.schedule import lr_at
 from meshrl.tasks import Example, Task
 from meshrl.types import Datum, LossSpec, OptimParams, SamplingParams
@@ -56,3 +56,47 @@ def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int
                 "policy_version": opt.policy_version,
             }
         )
+
+
+def forward_all(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: int) -> list[list[float]]:
+    """Trainer logprobs of any number of sequences: micro-batches whose size the DP ranks can split (the last
+    one padded with copies whose results are dropped), all queued at once."""
+    pending = []
+    for mb in micro_batches(data, micro_batch_size):
+        pad = (-len(mb)) % dp
+        pending.append((len(mb), ctl.forward(mb + [mb[-1]] * pad)))
+    return [row for n, p in pending for row in p.result()[:n]]
+
+
+def eval_nll(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: int) -> float:
+    """Mean negative log-likelihood per loss token (no gradient)."""
+    rows = forward_all(ctl, data, micro_batch_size, dp)
+    total = sum(-lp * m for d, row in zip(data, rows, strict=True) for lp, m in zip(row, d.loss_mask, strict=True))
+    return total / sum(d.num_loss_tokens for d in data)
+
+
+def save_run_checkpoint(ctl: Controller, ckpts: CheckpointManager, step: int, controller_state: dict, run) -> str:
+    """Trainer state (DCP, every rank) + controller state, committed atomically as checkpoints/step_<step>."""
+    tmp = ckpts.begin(step)
+    ctl.save_checkpoint(str(tmp / TRAINER_DIR))
+    state = {
+        **controller_state,
+        "step": step,
+        "policy_version": ctl.policy_version,
+        "metrics_lines": run.num_metric_lines(),
+    }
+    return str(ckpts.commit(tmp, step, state))
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot continue; the message names the last good checkpoint and the command to resume."""
+
+
+def fail_with_resume_hint(program: str, error: BaseException, ckpts: CheckpointManager) -> RunFailedError:
+    latest = ckpts.latest()
+    kind = "an actor process died" if isinstance(error, ActorDiedError) else type(error).__name__
+    return RunFailedError(
+        f"run failed ({kind}): {error}\n"
+        f"  last good checkpoint: {latest or 'none yet'}\n"
+        f"  resume with: {resume_command(program, latest)}"
+    )

@@ -134,7 +134,7 @@ def test_checkpoint_loads_in_transformers_with_trainer_logits(ctl, base_model_di
     data = random_data(4, seed=5)
     ctl.forward_backward(data, LossSpec("cross_entropy", num_loss_tokens=40)).result()
     ctl.optim_step(OptimParams(lr=1e-2)).result()
-    path = ctl.save_checkpoint(str(tmp_path / "ckpt"))
+    path = ctl.export_hf(str(tmp_path / "ckpt"))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     probe = random_data(2, seed=6)
     want = ctl.forward(probe).result()

@@ -222,6 +222,22 @@ class RunConfig:
     """Completion budget for greedy evaluation; default: generator.max_tokens."""
     call_timeout_s: float = 600.0
     """Longest wait for any one actor call before the run fails instead of hanging."""
+    save_every: int = 50
+    """Write a resumable checkpoint every this many optimiser steps (and at the end); 0: only at the end."""
+    keep_last_n: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str | None = None
+    """Continue a run: 'latest' (with --run.name of that run), a checkpoint dir, or a run dir."""
+    stop_at_step: int | None = None
+    """Save a checkpoint and stop after this step, as a preempted job would (resume later with run.resume)."""
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ConfigError(f"run.save_every={self.save_every} must be >= 0")
+        if self.keep_last_n < 1:
+            raise ConfigError(f"run.keep_last_n={self.keep_last_n} must be >= 1")
+        if self.resume == "latest" and self.name is None:
+            raise ConfigError("run.resume=latest needs run.name (the run to continue); or pass a checkpoint path")
 
 
 @dataclass
@@ -269,3 +285,67 @@ def validate_batch_arithmetic(*, global_batch_size: int, micro_batch_size: int, 
             f"micro batch sizes that work: {divisors}"
         )
     return global_batch_size // micro_batch_size
+
+
+@dataclass
+class SFTDataConfig:
+    train: str = "task"
+    """'task' (the built-in task's demonstrations) or a .jsonl / .parquet file of prompt/response or chat
+    `messages` rows. From Python, `meshrl.controller.sft.main(cfg, train_rows=[...])` takes a list instead."""
+    eval: str | None = "task"
+    """Held-out rows, same forms as `train`; None: no evaluation."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A bad row (missing field, wrong type, empty response, too long): stop at load naming the file and row,
+    or skip it and count it in the log."""
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    max_seq_len: int | None = None
+    """Longest prompt + response in tokens; default: the model's max_position_embeddings."""
+    shuffle_seed: int = 0
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 200
+    """Optimiser steps (the run also stops at max_epochs)."""
+    max_epochs: float | None = None
+    batch_size: int = 64
+    """Sequences per optimiser step (global, split into trainer.micro_batch_size calls)."""
+    eval_every: int = 50
+    """Evaluate every this many steps (and at the end); 0: only at the end."""
+    eval_generate: bool = True
+    """For task data: also measure exact-match accuracy from greedy generations through the Generator."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ConfigError(f"sft.max_steps={self.max_steps} must be >= 1")
+        if self.max_epochs is not None and self.max_epochs <= 0:
+            raise ConfigError(f"sft.max_epochs={self.max_epochs} must be > 0")
+        if self.eval_every < 0:
+            raise ConfigError(f"sft.eval_every={self.eval_every} must be >= 0")
+
+
+@dataclass
+class SFTRunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10))
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        validate_batch_arithmetic(
+            global_batch_size=self.sft.batch_size,
+            micro_batch_size=self.trainer.micro_batch_size,
+            dp=self.trainer.num_procs,
+            what=f"sft.batch_size={self.sft.batch_size}",
+        )
+        if self.model.path is None and (self.data.train != "task" or self.data.eval not in (None, "task")):
+            raise ConfigError(
+                "SFT on your own data files needs model.path (an HF checkpoint dir with its tokenizer); only the "
+                "built-in task data (data.train=task) works with a randomly initialised model"
+            )

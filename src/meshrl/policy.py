@@ -10,6 +10,7 @@ gradients and bumps `policy_version`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -163,6 +164,42 @@ class Policy:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- full training state (torch DCP: sharded, reshardable on load) ------------------------------------
+    def save_state(self, path: str) -> None:
+        """Model + optimiser (+ policy version) with torch.distributed.checkpoint. Collective; every rank writes
+        its own shards into `path`. Loadable on a different number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        if self.rank == 0:
+            Path(path, "trainer_meta.json").write_text(
+                json.dumps({"policy_version": self.policy_version, "world_size": self.world_size})
+            )
+        dist.barrier()
+
+    def load_state(self, path: str) -> int:
+        """Inverse of `save_state` (collective). Returns the restored policy version."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta_path = Path(path, "trainer_meta.json")
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer_meta.json)")
+        # The optimiser state must exist (step counters etc.) before DCP can load into it.
+        if not self.optimizer.state:
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()  # lr is 0: weights unchanged, state tensors allocated
+            self.optimizer.zero_grad(set_to_none=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.policy_version = int(json.loads(meta_path.read_text())["policy_version"])
+        return self.policy_version
 
     # ---- weights in and out -------------------------------------------------------------------------------
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -26,6 +26,14 @@ class RunDir:
         p.write_text(json.dumps(obj, indent=2, default=str))
         return p
 
+    def num_metric_lines(self) -> int:
+        return len(self.read_metrics())
+
+    def truncate_metrics(self, num_lines: int) -> None:
+        """On resume: drop the records written after the checkpoint (they will be produced again)."""
+        kept = self.read_metrics()[:num_lines]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []

@@ -1,0 +1,160 @@
+"""Supervised fine-tuning on Monarch meshes — the whole loop, top to bottom.
+
+    python -m meshrl.controller.sft [--sft.max-steps 200 --data.train rows.jsonl --model.path ckpt ...]
+
+batch of (prompt, response) rows → forward_backward over micro-batches with cross-entropy on the response
+tokens (normalised by the step's total response tokens) → optim_step(lr from the schedule) → log; evaluate
+every `eval_every` steps; write a resumable checkpoint every `run.save_every` steps; export HF weights at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from meshrl.checkpoint import TRAINER_DIR, CheckpointManager, read_controller_state, resolve_resume, resume_command
+from meshrl.config import SFTRunConfig
+from meshrl.controller.api import Controller
+from meshrl.controller.steps import (
+    RunFailedError,
+    eval_nll,
+    evaluate,
+    fail_with_resume_hint,
+    micro_batches,
+    save_run_checkpoint,
+)
+from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset
+from meshrl.models.qwen3 import create_random_checkpoint, read_hf_config
+from meshrl.run_dir import RunDir
+from meshrl.schedule import lr_at
+from meshrl.tasks import Task, build_task
+from meshrl.types import Datum, LossSpec, OptimParams
+
+
+def load_data(
+    cfg: SFTRunConfig, task: Task, model_dir: str, train_rows: list | None, eval_rows: list | None
+) -> tuple[SFTDataset, SFTDataset | None]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    max_len = cfg.data.max_seq_len or int(read_hf_config(model_dir)["max_position_embeddings"])
+    d = cfg.data
+    kw = dict(max_seq_len=max_len, on_bad_row=d.on_bad_row, prompt_field=d.prompt_field,
+              response_field=d.response_field, messages_field=d.messages_field)
+
+    def rows(source: str | None, given: list | None, examples) -> Any:
+        if given is not None:
+            return given
+        if source == "task":
+            return [{"prompt": e.prompt, "response": e.answer} for e in examples]
+        return source
+
+    train = load_sft_dataset(rows(d.train, train_rows, task.train), tokenizer, **kw)
+    eval_source = rows(d.eval, eval_rows, task.eval)
+    return train, (load_sft_dataset(eval_source, tokenizer, **kw) if eval_source is not None else None)
+
+
+def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
+    return [Datum.from_completion(dataset.examples[i].prompt_ids, dataset.examples[i].response_ids) for i in indices]
+
+
+def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:
+    run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
+    task = build_task(cfg.task)
+    model_dir = cfg.model.path or str(run.path / "base_model")
+    if cfg.model.path is None and not Path(model_dir, "config.json").exists():
+        create_random_checkpoint(model_dir, flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed)
+    train, held_out = load_data(cfg, task, model_dir, train_rows, eval_rows)
+    for name, ds in (("train", train), ("eval", held_out)):
+        if ds is not None and ds.skipped:
+            print(f"[meshrl] {name} data {ds.source}: skipped {sum(ds.skipped.values())} bad rows: {dict(ds.skipped)}")
+    is_task_eval = held_out is not None and eval_rows is None and cfg.data.eval == "task"
+    generate_eval = cfg.sft.eval_generate and is_task_eval
+    ckpts = CheckpointManager(run.path, cfg.run.keep_last_n)
+    sampler, start = EpochSampler(len(train), seed=cfg.data.shuffle_seed), 0
+    steps_per_epoch = len(train) / cfg.sft.batch_size
+    total = cfg.sft.max_steps
+    if cfg.sft.max_epochs is not None:
+        total = min(total, math.ceil(cfg.sft.max_epochs * steps_per_epoch))
+    dp, micro = cfg.trainer.num_procs, cfg.trainer.micro_batch_size
+    print(f"[meshrl] SFT: {len(train)} train rows, {len(held_out) if held_out else 0} eval rows, {total} steps "
+          f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}")
+
+    with Controller(model_dir=model_dir, model_cfg=cfg.model, trainer_cfg=cfg.trainer,
+                    generator_cfg=cfg.generator if generate_eval else None, tokenizer=task.tokenizer,
+                    reward_weights=task.reward_weights if generate_eval else None, seed=cfg.run.seed,
+                    call_timeout_s=cfg.run.call_timeout_s) as ctl:
+        print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
+        if cfg.run.resume:
+            ckpt = resolve_resume(cfg.run.resume, run.path)
+            state = read_controller_state(ckpt)
+            ctl.load_checkpoint(str(ckpt / TRAINER_DIR))
+            sampler, start = EpochSampler.from_state(len(train), state["sampler"]), state["step"]
+            run.truncate_metrics(state["metrics_lines"])
+            print(f"[meshrl] resumed from {ckpt} at step {start} (epoch {sampler.epochs_done:.2f})")
+
+        def run_eval(step: int) -> dict:
+            record: dict[str, Any] = {"phase": "eval", "step": step}
+            if held_out is not None:
+                record["eval_loss"] = eval_nll(ctl, to_data(held_out, list(range(len(held_out)))), micro, dp)
+            if generate_eval:
+                ctl.sync_weights()
+                record["accuracy"] = evaluate(ctl, task, task.eval, cfg.generator.max_tokens)["accuracy"]
+            run.log(record)
+            return record
+
+        try:
+            bar = tqdm(range(start, total), desc="SFT", unit="step", initial=start, total=total)
+            for step in bar:
+                t0 = time.perf_counter()
+                data = to_data(train, sampler.next_indices(cfg.sft.batch_size))
+                loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+                pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
+                train_loss = sum(p.result().loss for p in pending)
+                lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=total, schedule=cfg.optim.schedule,
+                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+                opt = ctl.optim_step(OptimParams(lr=lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                                                 weight_decay=cfg.optim.weight_decay,
+                                                 grad_clip=cfg.optim.grad_clip)).result()
+                run.log({"phase": "sft", "step": step, "loss": train_loss, "grad_norm": opt.grad_norm, "lr": lr,
+                         "epoch": sampler.epochs_done, "policy_version": opt.policy_version,
+                         "tokens_per_s": sum(len(d.tokens) for d in data) / (time.perf_counter() - t0)})
+                bar.set_postfix(loss=f"{train_loss:.4f}")
+                done = step + 1
+                if cfg.sft.eval_every and done % cfg.sft.eval_every == 0 and done < total:
+                    run_eval(done)
+                if cfg.run.save_every and done % cfg.run.save_every == 0 and done < total:
+                    save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
+                if cfg.run.stop_at_step == done and done < total:
+                    stopped = save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
+                    print(f"[meshrl] stopped at step {done} (run.stop_at_step); checkpoint {stopped}\n"
+                          f"  resume with: {resume_command('sft', Path(stopped))}")
+                    return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
+            final_eval = run_eval(total)
+            last_ckpt = save_run_checkpoint(ctl, ckpts, total, {"sampler": sampler.state()}, run)
+            final_dir = ctl.export_hf(str(run.path / "final_model"))
+        except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
+            raise fail_with_resume_hint("sft", e, ckpts) from e
+
+    summary = {"steps": total, "final_eval": final_eval, "final_checkpoint": last_ckpt, "final_model": final_dir,
+               "run_dir": str(run.path), "metrics": str(run.metrics_path)}
+    run.write_json("summary.json", summary)
+    print(f"[meshrl] final eval: {final_eval}\n[meshrl] metrics:    {run.metrics_path}\n"
+          f"[meshrl] checkpoint: {last_ckpt} (resumable)\n[meshrl] model:      {final_dir} (HF format)")
+    return summary
+
+
+if __name__ == "__main__":
+    from meshrl.configs import SFT_PRESETS
+    from meshrl.controller.cli import parse_run_config
+
+    try:
+        main(parse_run_config(SFTRunConfig, description=__doc__, presets=SFT_PRESETS,
+                              default_preset="tiny-reverse-sft"))
+    except RunFailedError as e:
+        sys.exit(f"[meshrl] {e}")

@@ -1,0 +1,1 @@
+"""Datasets and samplers for the controller programs."""
