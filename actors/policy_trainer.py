@@ -54,6 +54,7 @@ class PolicyTrainer(Actor):
             "rank": p.rank,
             "world_size": p.world_size,
             "num_params": p.num_params,
+            "num_trainable_params": sum(q.numel() for g in p.optimizer.param_groups for q in g["params"]),
             "policy_version": p.policy_version,
             "max_seq_len": p.max_seq_len,
             "pid": os.getpid(),
@@ -97,6 +98,12 @@ class PolicyTrainer(Actor):
     async def export_hf(self, path: str, dtype: str | None = None) -> str | None:
         """Weights in HF format (rank 0 writes atomically); returns the path."""
         return self._policy().save_hf(path, _DTYPES[dtype] if dtype else None)
+
+    @endpoint
+    async def export_adapter(self, path: str) -> str | None:
+        """LoRA adapters only, in peft's format (adapter_model.safetensors + adapter_config.json; rank 0 writes
+        atomically); `export_hf` writes the merged model instead. Returns the path."""
+        return self._policy().backend.save_adapter(path)
 
     @endpoint
     async def load_hf(self, path: str) -> int:

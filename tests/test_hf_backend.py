@@ -49,10 +49,15 @@ def trainers(base_model_dir):
     setup_torch_elastic_env(procs)
     tcfg = TrainerConfig(num_procs=2, micro_batch_size=4)
     out = {}
-    for backend in ("torchtitan", "hf"):  # one after the other: they share the process group
-        mesh = procs.spawn(f"trainer_{backend}", PolicyTrainer, base_model_dir, ModelConfig(backend=backend), tcfg, 0)
+    models = {
+        "torchtitan": ModelConfig(),
+        "hf": ModelConfig(backend="hf"),
+        "lora": ModelConfig(backend="hf", lora_rank=4, lora_alpha=8.0),
+    }
+    for name, mcfg in models.items():  # one after the other: they share the process group
+        mesh = procs.spawn(f"trainer_{name}", PolicyTrainer, base_model_dir, mcfg, tcfg, 0)
         mesh.setup.call().get(timeout=TIMEOUT)
-        out[backend] = Trainer(mesh)
+        out[name] = Trainer(mesh)
     yield out
     procs.stop().get(timeout=60)
 
@@ -131,8 +136,53 @@ def test_hf_backend_checkpoint_roundtrip_in_transformers(trainers, base_model_di
     torch.testing.assert_close(_flat(hf.forward(probe)), _flat(want), rtol=0, atol=0)
 
 
+def test_lora_trains_adapters_only_and_exports_merged_and_adapter_checkpoints(trainers, base_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.models.qwen3 import load_hf_state_dict
+    from meshrl.policy import collate
+
+    lora, hf = trainers["lora"], trainers["hf"]
+    lora.reload(base_model_dir)
+    info = lora._get(lora.mesh.info.call())
+    assert 0 < info["num_trainable_params"] < info["num_params"] / 4  # only the adapters are in the optimiser
+    probe = random_data(4, seed=11)
+    hf.reload(base_model_dir)
+    start = _flat(lora.forward(probe))
+    torch.testing.assert_close(start, _flat(hf.forward(probe)), rtol=0, atol=2e-6)  # B = 0: the base model
+    for step in range(2):
+        data = random_data(4, seed=12 + step)
+        lora.forward_backward(data, LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
+        lora.optim_step(OptimParams(lr=3e-2))
+    trained = lora.forward(probe)
+    assert (_flat(trained) - start).abs().max() > 1e-3
+
+    merged_dir = lora._get(lora.mesh.export_hf.call(str(tmp_path / "merged")))
+    adapter_dir = lora._get(lora.mesh.export_adapter.call(str(tmp_path / "adapter")))
+    base, merged = load_hf_state_dict(base_model_dir), load_hf_state_dict(merged_dir)
+    assert merged.keys() == base.keys()  # the base model's names, no adapter tensors
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # norms and embeddings never train
+
+    tokens, _ = collate(probe, 0, torch.device("cpu"))
+    merged_model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    base_model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base_model, adapter_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged_model(tokens).logits, peft_model(tokens).logits, rtol=1e-5, atol=1e-5)
+        got = torch.log_softmax(merged_model(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    for i, row in enumerate(trained):
+        torch.testing.assert_close(got[i, : len(row)], torch.tensor(row), rtol=1e-5, atol=1e-5)
+
+
 def test_backend_is_validated():
     from meshrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="model.backend='jax'"):
         ModelConfig(backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs model.backend='hf'"):
+        ModelConfig(lora_rank=8)
+    assert ModelConfig(backend="hf", lora_rank=8, lora_target_modules="q_proj, v_proj").backend_options()["lora"][
+        "target_modules"
+    ] == ["q_proj", "v_proj"]

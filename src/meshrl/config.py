@@ -32,10 +32,26 @@ class ModelConfig:
     backend: Literal["torchtitan", "hf"] = "torchtitan"
     """Trainer model code: 'torchtitan' (Qwen3, torchtitan's parallelize) or 'hf' (any transformers causal LM
     under FSDP2; needs neither torchtitan nor vLLM)."""
+    lora_rank: int = 0
+    """LoRA (peft) adapters of this rank: only they train; the generator gets the merged weights. 0: full
+    fine-tuning. Needs backend='hf'."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is (lora_alpha / lora_rank) · B @ A."""
+    lora_target_modules: str = "all-linear"
+    """'all-linear' (every linear layer but the output head) or comma-separated module names, e.g. 'q_proj,v_proj'."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("torchtitan", "hf"):
             raise ConfigError(f"model.backend={self.backend!r}; use 'torchtitan' or 'hf'")
+        if self.lora_rank < 0:
+            raise ConfigError(f"model.lora_rank={self.lora_rank} must be >= 0 (0 disables LoRA)")
+        if self.lora_rank and self.backend != "hf":
+            raise ConfigError(
+                f"model.lora_rank={self.lora_rank} needs model.backend='hf' (LoRA goes through peft on transformers "
+                "models); the torchtitan backend trains all weights"
+            )
+        if self.lora_rank and not self.lora_target_modules.strip():
+            raise ConfigError("model.lora_target_modules is empty: name the modules to adapt, or 'all-linear'")
         if self.path is None and self.flavor != "tiny":
             from meshrl.models.qwen3 import TITAN_FLAVORS
 
@@ -47,7 +63,13 @@ class ModelConfig:
 
     def backend_options(self) -> dict:
         """Keyword arguments of the chosen backend's constructor beyond attention kernel and dtype."""
-        return {}
+        opts: dict = {}
+        if self.lora_rank:
+            t = self.lora_target_modules.strip()
+            targets = t if t == "all-linear" else [m.strip() for m in t.split(",") if m.strip()]
+            opts["lora"] = {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "target_modules": targets}
+            opts["seed"] = self.seed
+        return opts
 
 
 @dataclass

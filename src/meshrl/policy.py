@@ -220,7 +220,9 @@ class Policy:
         """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
         fresh. New weights are a new policy: the version is bumped (except for the initial load)."""
         self.backend.load_hf(path)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.0, foreach=True)
+        # Only trainable weights (with LoRA: the adapters) are in the optimiser.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
 
