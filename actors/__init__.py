@@ -2,6 +2,7 @@
 
 from meshrl.actors.generator import Generator
 from meshrl.actors.policy_trainer import PolicyTrainer
+from meshrl.actors.reference import ReferenceModel
 from meshrl.actors.reward import RewardActor
 
-__all__ = ["Generator", "PolicyTrainer", "RewardActor"]
+__all__ = ["Generator", "PolicyTrainer", "ReferenceModel", "RewardActor"]

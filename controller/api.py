@@ -92,6 +92,8 @@ class Controller:
         from monarch.spmd import setup_torch_elastic_env
 
         self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
+        self._model_args = (model_cfg, trainer_cfg, tokenizer.pad_id)  # for a ReferenceModel started later
+        self.reference, self.reference_procs = None, 0
         # Monarch's default reaction to a dead actor process is to exit the controller (KeyboardInterrupt in the
         # main thread). We record the failure instead; the waiting call raises ActorDiedError, and the program
         # ends with a message naming the last good checkpoint.
@@ -159,6 +161,31 @@ class Controller:
     def export_hf(self, path: str, dtype: str | None = None) -> str:
         """The trainer's weights as an HF checkpoint (config, safetensors, tokenizer), written atomically."""
         return Pending([self.trainer.export_hf.call(path, dtype)], _rank0, self.timeout_s, "export_hf").result()
+
+    # ---- reference model (KL) -----------------------------------------------------------------------------
+    def start_reference(self, model_dir: str, num_procs: int = 1) -> None:
+        """Spawn the ReferenceModel mesh: a frozen, forward-only copy of the policy loaded from `model_dir` (an HF
+        checkpoint dir), FSDP-sharded over `num_procs` processes. Only programs with a KL term need it."""
+        from monarch.spmd import setup_torch_elastic_env
+
+        from meshrl.actors.reference import ReferenceModel
+
+        if self.reference is not None:
+            raise RuntimeError("the reference model is already running")
+        procs = this_host().spawn_procs(per_host={"procs": num_procs})
+        self._procs.append(procs)
+        setup_torch_elastic_env(procs)
+        self.reference = procs.spawn("reference", ReferenceModel, str(model_dir), *self._model_args)
+        self.reference_procs = num_procs
+        Pending([self.reference.setup.call()], _rank0, self.timeout_s, "ReferenceModel.setup").result()
+
+    def reference_logprobs(self, data: list[Datum], temperature: float = 1.0) -> Pending[list[list[float]]]:
+        """Reference-model logprobs of every datum's targets (any batch size: padded to the mesh, then dropped)."""
+        self._need("a reference model (start_reference)", self.reference)
+        n = len(data)
+        padded = list(data) + [data[-1]] * ((-n) % self.reference_procs)
+        fut = self.reference.forward.call(padded, temperature)
+        return Pending([fut], lambda v: _rank0(v)[:n], self.timeout_s, "ReferenceModel.forward")
 
     # ---- weights ------------------------------------------------------------------------------------------
     def sync_weights(self, version: int | None = None) -> WeightSyncTiming:

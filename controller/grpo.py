@@ -2,9 +2,10 @@
 
     python -m meshrl.controller.grpo --preset tiny-reverse [--grpo.steps 40 ...]   (--help lists every field)
 
-sample prompts → generate G completions each → score → group-relative advantages → forward_backward over
-micro-batches (gradients accumulate, normalised by the step's total loss tokens) → optim_step(lr from the
-schedule) → push/pull weights → log.
+sample prompts → generate G completions each → score (+ DAPO overlong shaping; dynamic sampling refills groups
+whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
+(gradients accumulate; the loss is normalised over the whole step) → optim_step(lr from the schedule) →
+push/pull weights → log. The algorithm (GRPO, DAPO, Dr.GRPO, GSPO, CISPO, ...) is chosen by the `grpo.*` flags.
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ import random
 import statistics
 import time
 
-from meshrl.controller.api import Controller
-from meshrl.controller.steps import evaluate, micro_batches, supervised_warmup
 from tqdm import tqdm
 
-from meshrl.advantages import group_advantages
+from meshrl.advantages import compute_advantages
+from meshrl.algorithms import kl_penalties, step_loss_spec
 from meshrl.config import GRPORunConfig
+from meshrl.controller.api import Controller
+from meshrl.controller.steps import (
+    attach_reference_logprobs,
+    evaluate,
+    micro_batches,
+    sample_groups,
+    supervised_warmup,
+)
 from meshrl.models.qwen3 import create_random_checkpoint
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
 from meshrl.tasks import build_task
-from meshrl.types import Datum, LossSpec, OptimParams, SamplingParams
+from meshrl.types import Datum, OptimParams, SamplingParams
 
 
 def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> tuple[float, float]:
@@ -86,6 +94,9 @@ def main(cfg: GRPORunConfig) -> dict:
                 log=run.log,
             )
             ctl.sync_weights()
+        if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
+            ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
+            ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
         before = evaluate(ctl, task, task.eval, eval_tokens)
         run.log({"phase": "eval", "when": "before_rl", **before})
         print(f"[meshrl] held-out exact match before RL: {before['accuracy']:.3f}")
@@ -93,26 +104,24 @@ def main(cfg: GRPORunConfig) -> dict:
         bar = tqdm(range(cfg.grpo.steps), desc="GRPO", unit="step")
         for step in bar:
             t0 = time.perf_counter()
-            examples = rng.sample(task.train, cfg.grpo.prompts_per_step)
-            groups = ctl.generate(task.prompt_ids(examples), sampling).result()
-            completions = [c for group in groups for c in group]
-            t1 = time.perf_counter()
-
-            answers = [e.answer for e in examples for _ in range(g)]
-            scored = ctl.score([c.token_ids for c in completions], answers).result()
-            rewards = [s.reward for s in scored]
-            advantages = group_advantages(rewards, g, normalize_std=cfg.grpo.normalize_std)
+            batch = sample_groups(ctl, task, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+            if not batch.completions:  # dynamic sampling found no group with a learning signal
+                run.log({"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn})
+                continue
+            completions, rewards = batch.completions, batch.rewards
+            data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in completions]
+            if ctl.reference is not None:
+                attach_reference_logprobs(ctl, data, cfg.trainer.micro_batch_size, cfg.generator.temperature)
+                if cfg.grpo.kl_mode == "reward":
+                    kl = kl_penalties(data, cfg.grpo.kl_estimator)
+                    rewards = [r - cfg.grpo.kl_coef * k for r, k in zip(rewards, kl, strict=True)]
+            for d, a in zip(data, compute_advantages(cfg.grpo.advantage, rewards, g), strict=True):
+                d.advantage = a
             t2 = time.perf_counter()
 
-            data = [
-                Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs, a)
-                for c, a in zip(completions, advantages, strict=True)
-            ]
-            loss = LossSpec(
-                "grpo",
-                num_loss_tokens=sum(d.num_loss_tokens for d in data),
-                params={"clip_low": cfg.grpo.clip_low, "clip_high": cfg.grpo.clip_high},
-                temperature=cfg.generator.temperature,
+            # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
+            loss = step_loss_spec(
+                cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens
             )
             pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
             results = [p.result() for p in pending]
@@ -140,22 +149,29 @@ def main(cfg: GRPORunConfig) -> dict:
 
             mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
             n_tokens = sum(len(d.tokens) for d in data)
+            token_means = {k: sum(r.metrics[k] for r in results) / loss.num_loss_tokens for k in results[0].metrics}
             record = {
                 "phase": "rl",
                 "step": step,
                 "policy_version": opt.policy_version,
-                "reward_mean": statistics.fmean(rewards),
-                "reward_std": statistics.pstdev(rewards),
+                "reward_mean": statistics.fmean(batch.task_rewards),  # every completion sampled this step
+                "reward_std": statistics.pstdev(batch.task_rewards),
+                "reward_trained_mean": statistics.fmean(rewards),  # the trained groups, after shaping
                 "loss": sum(r.loss for r in results),
                 "grad_norm": opt.grad_norm,
                 "lr": opt.lr,
-                "clip_frac": sum(r.metrics["clip_frac"] for r in results) / loss.num_loss_tokens,
+                "clip_frac": token_means.pop("clip_frac", 0.0),
+                **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
                 "logprob_diff_mean": mismatch_mean,
                 "logprob_diff_max": mismatch_max,
                 "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
+                "groups_trained": len(batch.examples),
+                "groups_dropped": batch.groups_dropped,
+                "prompts_drawn": batch.prompts_drawn,
+                "sampling_rounds": batch.rounds,
                 "tokens_per_s": n_tokens / (t4 - t0),
-                "time_generate_s": t1 - t0,
-                "time_score_s": t2 - t1,
+                "time_generate_s": batch.time_generate_s,
+                "time_score_s": t2 - t0 - batch.time_generate_s,
                 "time_train_s": t3 - t2,
                 "time_weight_sync_s": t4 - t3,
                 "weight_sync_bytes": sync.bytes,
@@ -165,7 +181,7 @@ def main(cfg: GRPORunConfig) -> dict:
 
         after = evaluate(ctl, task, task.eval, eval_tokens)
         run.log({"phase": "eval", "when": "after_rl", **after})
-        final_dir = ctl.save_checkpoint(str(run.path / "final_model"))
+        final_dir = ctl.export_hf(str(run.path / "final_model"))
 
     rl = [r for r in run.read_metrics() if r.get("phase") == "rl"]
     k = min(5, len(rl))

@@ -26,9 +26,10 @@ from meshrl.controller.steps import (
     evaluate,
     fail_with_resume_hint,
     micro_batches,
+    pad_rows,
     save_run_checkpoint,
 )
-from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset
+from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
 from meshrl.models.qwen3 import create_random_checkpoint, read_hf_config
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
@@ -44,8 +45,13 @@ def load_data(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     max_len = cfg.data.max_seq_len or int(read_hf_config(model_dir)["max_position_embeddings"])
     d = cfg.data
-    kw = dict(max_seq_len=max_len, on_bad_row=d.on_bad_row, prompt_field=d.prompt_field,
-              response_field=d.response_field, messages_field=d.messages_field)
+    kw = dict(
+        max_seq_len=max_len,
+        on_bad_row=d.on_bad_row,
+        prompt_field=d.prompt_field,
+        response_field=d.response_field,
+        messages_field=d.messages_field,
+    )
 
     def rows(source: str | None, given: list | None, examples) -> Any:
         if given is not None:
@@ -82,13 +88,22 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
     if cfg.sft.max_epochs is not None:
         total = min(total, math.ceil(cfg.sft.max_epochs * steps_per_epoch))
     dp, micro = cfg.trainer.num_procs, cfg.trainer.micro_batch_size
-    print(f"[meshrl] SFT: {len(train)} train rows, {len(held_out) if held_out else 0} eval rows, {total} steps "
-          f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}")
+    pack_len = cfg.data.pack_len or cfg.data.max_seq_len or int(read_hf_config(model_dir)["max_position_embeddings"])
+    print(
+        f"[meshrl] SFT: {len(train)} train rows, {len(held_out) if held_out else 0} eval rows, {total} steps "
+        f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}"
+    )
 
-    with Controller(model_dir=model_dir, model_cfg=cfg.model, trainer_cfg=cfg.trainer,
-                    generator_cfg=cfg.generator if generate_eval else None, tokenizer=task.tokenizer,
-                    reward_weights=task.reward_weights if generate_eval else None, seed=cfg.run.seed,
-                    call_timeout_s=cfg.run.call_timeout_s) as ctl:
+    with Controller(
+        model_dir=model_dir,
+        model_cfg=cfg.model,
+        trainer_cfg=cfg.trainer,
+        generator_cfg=cfg.generator if generate_eval else None,
+        tokenizer=task.tokenizer,
+        reward_weights=task.reward_weights if generate_eval else None,
+        seed=cfg.run.seed,
+        call_timeout_s=cfg.run.call_timeout_s,
+    ) as ctl:
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
         if cfg.run.resume:
             ckpt = resolve_resume(cfg.run.resume, run.path)
@@ -112,18 +127,45 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             bar = tqdm(range(start, total), desc="SFT", unit="step", initial=start, total=total)
             for step in bar:
                 t0 = time.perf_counter()
-                data = to_data(train, sampler.next_indices(cfg.sft.batch_size))
+                indices = sampler.next_indices(cfg.sft.batch_size)
+                if cfg.data.pack:
+                    rows = pack_examples([train.examples[i] for i in indices], pack_len)
+                    data = pad_rows(rows, dp, task.tokenizer.pad_id)
+                else:
+                    data = to_data(train, indices)
                 loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
                 pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
                 train_loss = sum(p.result().loss for p in pending)
-                lr = lr_at(step, peak_lr=cfg.optim.lr, total_steps=total, schedule=cfg.optim.schedule,
-                           warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio)
-                opt = ctl.optim_step(OptimParams(lr=lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                                 weight_decay=cfg.optim.weight_decay,
-                                                 grad_clip=cfg.optim.grad_clip)).result()
-                run.log({"phase": "sft", "step": step, "loss": train_loss, "grad_norm": opt.grad_norm, "lr": lr,
-                         "epoch": sampler.epochs_done, "policy_version": opt.policy_version,
-                         "tokens_per_s": sum(len(d.tokens) for d in data) / (time.perf_counter() - t0)})
+                lr = lr_at(
+                    step,
+                    peak_lr=cfg.optim.lr,
+                    total_steps=total,
+                    schedule=cfg.optim.schedule,
+                    warmup_steps=cfg.optim.warmup_steps,
+                    min_lr_ratio=cfg.optim.min_lr_ratio,
+                )
+                opt = ctl.optim_step(
+                    OptimParams(
+                        lr=lr,
+                        betas=cfg.optim.betas,
+                        eps=cfg.optim.eps,
+                        weight_decay=cfg.optim.weight_decay,
+                        grad_clip=cfg.optim.grad_clip,
+                    )
+                ).result()
+                run.log(
+                    {
+                        "phase": "sft",
+                        "step": step,
+                        "loss": train_loss,
+                        "grad_norm": opt.grad_norm,
+                        "lr": lr,
+                        "epoch": sampler.epochs_done,
+                        "policy_version": opt.policy_version,
+                        "rows": len(data),
+                        "tokens_per_s": sum(len(d.tokens) for d in data) / (time.perf_counter() - t0),
+                    }
+                )
                 bar.set_postfix(loss=f"{train_loss:.4f}")
                 done = step + 1
                 if cfg.sft.eval_every and done % cfg.sft.eval_every == 0 and done < total:
@@ -132,8 +174,10 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                     save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
                 if cfg.run.stop_at_step == done and done < total:
                     stopped = save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
-                    print(f"[meshrl] stopped at step {done} (run.stop_at_step); checkpoint {stopped}\n"
-                          f"  resume with: {resume_command('sft', Path(stopped))}")
+                    print(
+                        f"[meshrl] stopped at step {done} (run.stop_at_step); checkpoint {stopped}\n"
+                        f"  resume with: {resume_command('sft', Path(stopped))}"
+                    )
                     return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
             final_eval = run_eval(total)
             last_ckpt = save_run_checkpoint(ctl, ckpts, total, {"sampler": sampler.state()}, run)
@@ -141,11 +185,19 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
             raise fail_with_resume_hint("sft", e, ckpts) from e
 
-    summary = {"steps": total, "final_eval": final_eval, "final_checkpoint": last_ckpt, "final_model": final_dir,
-               "run_dir": str(run.path), "metrics": str(run.metrics_path)}
+    summary = {
+        "steps": total,
+        "final_eval": final_eval,
+        "final_checkpoint": last_ckpt,
+        "final_model": final_dir,
+        "run_dir": str(run.path),
+        "metrics": str(run.metrics_path),
+    }
     run.write_json("summary.json", summary)
-    print(f"[meshrl] final eval: {final_eval}\n[meshrl] metrics:    {run.metrics_path}\n"
-          f"[meshrl] checkpoint: {last_ckpt} (resumable)\n[meshrl] model:      {final_dir} (HF format)")
+    print(
+        f"[meshrl] final eval: {final_eval}\n[meshrl] metrics:    {run.metrics_path}\n"
+        f"[meshrl] checkpoint: {last_ckpt} (resumable)\n[meshrl] model:      {final_dir} (HF format)"
+    )
     return summary
 
 
@@ -154,7 +206,8 @@ if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config
 
     try:
-        main(parse_run_config(SFTRunConfig, description=__doc__, presets=SFT_PRESETS,
-                              default_preset="tiny-reverse-sft"))
+        main(
+            parse_run_config(SFTRunConfig, description=__doc__, presets=SFT_PRESETS, default_preset="tiny-reverse-sft")
+        )
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")

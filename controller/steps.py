@@ -1,16 +1,20 @@
-"""Building blocks shared by the controller programs: micro-batching, greedy evaluation, supervised warm-up."""
+"""Building blocks shared by the controller programs: micro-batching, greedy evaluation, supervised warm-up,
+RL sampling (with DAPO's dynamic sampling) and reference-model logprobs."""
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
+from meshrl.algorithms import informative_groups, overlong_penalty
 from meshrl.checkpoint import TRAINER_DIR, CheckpointManager, resume_command
 from meshrl.controller.api import ActorDiedError, Controller
 from meshrl.schedule import lr_at
 from meshrl.tasks import Example, Task
-from meshrl.types import Datum, LossSpec, OptimParams, SamplingParams
+from meshrl.types import Completion, Datum, LossSpec, OptimParams, SamplingParams
 
 T = TypeVar("T")
 
@@ -58,6 +62,11 @@ def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int
         )
 
 
+def pad_rows(data: list[Datum], multiple: int, pad_id: int) -> list[Datum]:
+    """Append loss-free 2-token rows so the row count splits evenly over the trainer ranks."""
+    return data + [Datum([pad_id, pad_id], [0.0]) for _ in range((-len(data)) % multiple)]
+
+
 def forward_all(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: int) -> list[list[float]]:
     """Trainer logprobs of any number of sequences: micro-batches whose size the DP ranks can split (the last
     one padded with copies whose results are dropped), all queued at once."""
@@ -100,3 +109,65 @@ def fail_with_resume_hint(program: str, error: BaseException, ckpts: CheckpointM
         f"  last good checkpoint: {latest or 'none yet'}\n"
         f"  resume with: {resume_command(program, latest)}"
     )
+
+
+@dataclass
+class SampledGroups:
+    """What one RL step trains on, group by group (`group_size` completions per example)."""
+
+    examples: list[Example]
+    completions: list[Completion]
+    rewards: list[float]  # per completion: task reward + overlong shaping (what advantages are computed from)
+    task_rewards: list[float]  # the task reward of EVERY completion generated this step (kept or dropped)
+    prompts_drawn: int
+    rounds: int
+    groups_dropped: int
+    time_generate_s: float
+    time_score_s: float
+
+
+def sample_groups(
+    ctl: Controller, task: Task, rng: random.Random, sampling: SamplingParams, cfg, *, dp: int
+) -> SampledGroups:
+    """Generate and score `cfg.prompts_per_step` groups (cfg: a GRPOConfig), with DAPO's overlong reward shaping.
+    With `cfg.dynamic_sampling`, groups whose rewards are all equal are dropped and refilled from new prompts
+    (prompts_per_step more per round, at most `cfg.max_sampling_rounds` rounds): the result never holds an
+    all-equal group. If the rounds run out it holds fewer groups, trimmed to a count the `dp` trainer ranks can
+    split (possibly none)."""
+    g, want = cfg.group_size, cfg.prompts_per_step
+    out = SampledGroups([], [], [], [], 0, 0, 0, 0.0, 0.0)
+    while len(out.examples) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+        examples = rng.sample(task.train, want)
+        t0 = time.perf_counter()
+        completions = [c for group in ctl.generate(task.prompt_ids(examples), sampling).result() for c in group]
+        t1 = time.perf_counter()
+        answers = [e.answer for e in examples for _ in range(g)]
+        task_rewards = [s.reward for s in ctl.score([c.token_ids for c in completions], answers).result()]
+        out.time_generate_s += t1 - t0
+        out.time_score_s += time.perf_counter() - t1
+        rewards = [
+            r + overlong_penalty(len(c.token_ids), sampling.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            for r, c in zip(task_rewards, completions, strict=True)
+        ]
+        keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(examples)))
+        keep = keep[: want - len(out.examples)]
+        for i in keep:
+            out.examples.append(examples[i])
+            out.completions += completions[i * g : (i + 1) * g]
+            out.rewards += rewards[i * g : (i + 1) * g]
+        out.task_rewards += task_rewards
+        out.prompts_drawn += len(examples)
+        out.rounds += 1
+        out.groups_dropped += len(examples) - len(keep)
+    while len(out.completions) % dp:  # a short batch must still split evenly over the trainer ranks
+        out.examples.pop()
+        del out.completions[-g:], out.rewards[-g:]
+    return out
+
+
+def attach_reference_logprobs(ctl: Controller, data: list[Datum], micro_batch_size: int, temperature: float) -> None:
+    """Fill `Datum.ref_logprobs` from the ReferenceModel (micro-batches queued at once)."""
+    pending = [ctl.reference_logprobs(mb, temperature) for mb in micro_batches(data, micro_batch_size)]
+    rows = [row for p in pending for row in p.result()]
+    for d, row in zip(data, rows, strict=True):
+        d.ref_logprobs = row

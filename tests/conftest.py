@@ -9,6 +9,12 @@ import pytest
 import torch
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time: a missing local file must fail, not fetch
+# Actor processes inherit PYTHONPATH: user-written losses in tests/ (e.g. custom_algorithms.py) reach the trainer
+# by name ('custom_algorithms:my_loss'), as a user's own module would.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p
+)
 torch.set_num_threads(1)
 
 
@@ -30,9 +36,8 @@ def base_model_dir(tmp_path_factory, tokenizer) -> str:
 
 @pytest.fixture(scope="session")
 def ctl(base_model_dir, tokenizer):
-    from meshrl.controller.api import Controller
-
     from meshrl.config import GeneratorConfig, ModelConfig, TrainerConfig
+    from meshrl.controller.api import Controller
 
     c = Controller(
         model_dir=base_model_dir,

@@ -4,8 +4,6 @@ import subprocess
 import sys
 
 import pytest
-from meshrl.configs import PRESETS
-from meshrl.controller.cli import parse_run_config
 
 from meshrl.config import (
     ConfigError,
@@ -15,6 +13,8 @@ from meshrl.config import (
     TaskConfig,
     TrainerConfig,
 )
+from meshrl.configs import PRESETS
+from meshrl.controller.cli import parse_run_config
 
 
 def test_presets_are_valid():

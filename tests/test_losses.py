@@ -22,7 +22,8 @@ def _batch(B=3, T=5, seed=0):
 def test_grpo_loss_matches_per_token_reference():
     logp, b = _batch()
     lo, hi = 0.2, 0.28
-    loss, metrics = grpo_loss(logp, b, clip_low=lo, clip_high=hi)
+    per_token, metrics = grpo_loss(logp, b, clip_low=lo, clip_high=hi)  # losses return [B, T]; masked sum here
+    loss = (per_token * b.mask).sum()
     loss.backward()
     ref, n_clipped, grads = 0.0, 0, torch.zeros_like(logp)
     for i in range(logp.shape[0]):
@@ -44,7 +45,8 @@ def test_grpo_loss_matches_per_token_reference():
 def test_grpo_on_policy_has_no_clipping_and_ratio_one():
     logp, b = _batch()
     on_policy = b.old_logprobs.clone().requires_grad_(True)
-    loss, m = grpo_loss(on_policy, b)
+    per_token, m = grpo_loss(on_policy, b)
+    loss = (per_token * b.mask).sum()
     assert m["clip_frac"].item() == 0
     assert m["ratio"].item() == pytest.approx(b.mask.sum().item())
     assert m["kl_k3"].item() == pytest.approx(0.0, abs=1e-7)
@@ -54,7 +56,8 @@ def test_grpo_on_policy_has_no_clipping_and_ratio_one():
 
 def test_cross_entropy_is_masked_nll():
     logp, b = _batch()
-    loss, _ = cross_entropy_loss(logp, b)
+    per_token, _ = cross_entropy_loss(logp, b)
+    loss = (per_token * b.mask).sum()
     assert loss.item() == pytest.approx(-(logp * b.mask).sum().item(), rel=1e-6)
 
 

@@ -80,12 +80,33 @@ def test_resume_on_a_different_number_of_trainer_ranks(straight):
 
 
 def test_killed_trainer_process_names_last_checkpoint_and_resume_command(tmp_path):
-    cmd = [sys.executable, "-m", "meshrl.controller.sft", "--sft.max-steps", "100000", "--sft.eval-every", "0",
-           "--sft.no-eval-generate", "--sft.batch-size", "16", "--trainer.micro-batch-size", "8",
-           "--run.save-every", "5", "--run.output-dir", str(tmp_path), "--run.name", "killme",
-           "--run.call-timeout-s", "120", "--task.num-train", "100"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrl.controller.sft",
+        "--sft.max-steps",
+        "100000",
+        "--sft.eval-every",
+        "0",
+        "--sft.no-eval-generate",
+        "--sft.batch-size",
+        "16",
+        "--trainer.micro-batch-size",
+        "8",
+        "--run.save-every",
+        "5",
+        "--run.output-dir",
+        str(tmp_path),
+        "--run.name",
+        "killme",
+        "--run.call-timeout-s",
+        "120",
+        "--task.num-train",
+        "100",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     pids, deadline = None, time.time() + 300
     for line in proc.stdout:
         if m := re.search(r"trainer processes \(pids\): \[([\d, ]+)\]", line):

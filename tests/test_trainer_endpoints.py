@@ -33,7 +33,8 @@ def test_forward_backward_contract(ctl):
     tokens, batch = collate(data, 0, torch.device("cpu"))
     width = batch.mask.shape[1]
     logp = torch.tensor([r + [0.0] * (width - len(r)) for r in res.logprobs])
-    ref, _ = grpo_loss(logp, batch)
+    per_token, _ = grpo_loss(logp, batch)  # per-token [B, T]; token_mean = masked sum / n_tok
+    ref = (per_token * batch.mask).sum()
     assert res.loss == pytest.approx(ref.item() / n_tok, rel=1e-5, abs=1e-6)
     v0 = ctl.policy_version
     out = ctl.optim_step(OptimParams(lr=1e-2)).result()
@@ -143,3 +144,24 @@ def test_checkpoint_loads_in_transformers_with_trainer_logits(ctl, base_model_di
         got = target_logprobs(hf(tokens).logits, tokens)
     for i, row in enumerate(want):
         torch.testing.assert_close(got[i, : len(row)], torch.tensor(row), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_give_the_same_loss_and_update(ctl, base_model_dir):
+    """Sequence packing (document-masked attention, per-document positions) is an optimisation only."""
+    from meshrl.controller.steps import pad_rows
+    from meshrl.data.sft import SFTExample, pack_examples
+
+    examples = [SFTExample(d.tokens[:3], d.tokens[3:]) for d in random_data(10, seed=8)]
+    plain = [Datum.from_completion(e.prompt_ids, e.response_ids) for e in examples]
+    packed = pad_rows(pack_examples(examples, 24), 2, 0)
+    assert len(packed) < len(plain) and any(d.positions.count(0) > 1 for d in packed)
+    spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in plain))
+    probe = random_data(2, seed=9)
+    results = []
+    for data in (plain, packed):
+        ctl.load_checkpoint(base_model_dir)
+        loss = ctl.forward_backward(data, spec).result().loss
+        ctl.optim_step(LINEAR_ADAM).result()
+        results.append((loss, _probe(ctl, probe)))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-6)

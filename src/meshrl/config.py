@@ -161,11 +161,45 @@ class GRPOConfig:
     prompts_per_step: int = 16
     group_size: int = 8
     """Completions sampled per prompt; advantages are relative to the group."""
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    """PPO clip range: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style advantages."""
+    # ---- the algorithm (README "Algorithms": the flags of GRPO, DAPO, Dr.GRPO, GSPO, CISPO) ----
+    loss: str = "grpo"
+    """Policy loss: 'grpo' (PPO clipped ratio; DAPO's clip-higher is clip_high > clip_low), 'gspo' (sequence-level
+    length-normalised ratio), 'cispo' (clipped stop-gradient IS weight on logp), 'importance_sampling', 'reinforce',
+    or a loss registered with meshrl.losses.register_loss ('package.module:name' is imported first)."""
+    aggregation: str | None = None
+    """Per-token losses -> step loss, normalised over the whole step: 'token_mean' (DAPO, CISPO),
+    'seq_mean_token_mean' (GRPO paper, GSPO), 'seq_mean_token_sum', 'token_sum_norm' (Dr.GRPO: divided by the
+    constant prompts_per_step x group_size x generator.max_tokens), or a registered one. None: the loss's own
+    ('seq_mean_token_mean' for gspo, else 'token_mean')."""
+    clip_low: float | None = None
+    clip_high: float | None = None
+    """Ratio clip range [1 - clip_low, 1 + clip_high]. None: the loss's default (grpo 0.2 / 0.2, DAPO uses
+    clip_high 0.28; gspo 3e-4 / 4e-4; cispo no lower bound / 4.0)."""
+    advantage: Literal["group_mean_std", "group_mean", "rloo", "reinforce_pp"] = "group_mean_std"
+    """Advantage estimator: group mean/std (GRPO), group mean only (Dr.GRPO), leave-one-out (RLOO), group mean
+    then batch-normalised (REINFORCE++ baseline)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (no signal) and refill the batch with new prompts."""
+    max_sampling_rounds: int = 4
+    """With dynamic_sampling: at most this many generation rounds per step (each draws prompts_per_step new
+    prompts); if the batch is still short the step trains on the informative groups found."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: a completion longer than generator.max_tokens - overlong_buffer loses reward
+    linearly, up to overlong_penalty at max_tokens. 0: off."""
+    overlong_penalty: float = 1.0
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference). > 0 starts the ReferenceModel (frozen copy of the policy after warm-up)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """'loss': kl_coef x per-token KL added to the loss; 'reward': kl_coef x the sequence's summed KL subtracted
+    from its reward before advantages."""
+    reference_procs: int = 1
+    """Processes of the ReferenceModel mesh (FSDP-sharded, forward only)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling between trainer and generator logprobs: every token's loss is weighted by
+    min(p_trainer / p_generator, tis_cap), e.g. 2.0. None: off."""
+    loss_params: dict[str, float] = field(default_factory=dict)
+    """Extra keyword parameters of the loss (for user-registered losses)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -176,14 +210,84 @@ class GRPOConfig:
             raise ConfigError(
                 f"grpo.group_size={self.group_size}: group-relative advantages need at least 2 completions per prompt"
             )
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError(
-                f"grpo.clip_low={self.clip_low} must be in [0, 1) and grpo.clip_high={self.clip_high} >= 0"
-            )
+        check_algorithm(self)
 
     @property
     def global_batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def needs_reference(self) -> bool:
+        from meshrl.losses import loss_info
+
+        return self.kl_coef > 0 or loss_info(self.loss).needs_reference
+
+    def resolved_loss(self) -> tuple[str, dict]:
+        """(aggregation, loss params) with the loss's defaults filled in."""
+        from meshrl.losses import loss_info
+
+        info = loss_info(self.loss)
+        aggregation = self.aggregation or (info.aggregations[0] if info.aggregations else "token_mean")
+        params = {k: v for k, v in (("clip_low", self.clip_low), ("clip_high", self.clip_high)) if v is not None}
+        return aggregation, {**params, **self.loss_params}
+
+
+def check_algorithm(c: GRPOConfig) -> None:
+    """Combinations of loss / aggregation / clip range / KL / TIS that cannot work, refused at launch."""
+    from meshrl.losses import get_aggregation, loss_info
+
+    try:
+        info = loss_info(c.loss)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"grpo.loss: {e}") from None
+    aggregation, params = c.resolved_loss()
+    try:
+        get_aggregation(aggregation)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"grpo.aggregation: {e}") from None
+    if info.aggregations is not None and aggregation not in info.aggregations:
+        raise ConfigError(
+            f"grpo.loss={c.loss!r} cannot use grpo.aggregation={aggregation!r} (its per-sequence loss would be "
+            f"re-weighted by length); use --grpo.aggregation {info.aggregations[0]}"
+        )
+    unknown = sorted(set(params) - set(info.params))
+    if unknown:
+        clip = [k for k in unknown if k.startswith("clip_")]
+        hint = f"remove --grpo.{clip[0].replace('_', '-')}" if clip else "fix grpo.loss_params"
+        raise ConfigError(
+            f"grpo.loss={c.loss!r} takes no parameter(s) {unknown} (it takes {sorted(info.params) or 'none'}); {hint}"
+        )
+    lo = params.get("clip_low", info.params.get("clip_low"))
+    hi = params.get("clip_high", info.params.get("clip_high"))
+    if lo is not None and not 0 <= lo < 1:
+        raise ConfigError(f"grpo.clip_low={lo} must be in [0, 1): the ratio's lower bound is 1 - clip_low > 0")
+    if hi is not None and not hi >= 0:
+        raise ConfigError(f"grpo.clip_high={hi} must be >= 0: the ratio's upper bound is 1 + clip_high")
+    if lo is not None and hi is not None and not 1 - lo < 1 + hi:
+        raise ConfigError(
+            f"grpo.clip_low={lo}, grpo.clip_high={hi}: the clip range [{1 - lo:g}, {1 + hi:g}] is empty or out of "
+            "order; make clip_low + clip_high > 0 (e.g. --grpo.clip-low 0.2 --grpo.clip-high 0.28)"
+        )
+    if info.needs_reference and c.kl_coef <= 0:
+        raise ConfigError(
+            f"grpo.loss={c.loss!r} needs reference-model logprobs, and the reference model runs only when "
+            "grpo.kl_coef > 0; set --grpo.kl-coef (e.g. 0.01)"
+        )
+    if c.kl_coef < 0:
+        raise ConfigError(f"grpo.kl_coef={c.kl_coef} must be >= 0 (0: no reference model, no KL)")
+    if c.reference_procs < 1:
+        raise ConfigError(f"grpo.reference_procs={c.reference_procs} must be >= 1")
+    if c.tis_cap is not None and not c.tis_cap >= 1:
+        raise ConfigError(
+            f"grpo.tis_cap={c.tis_cap} must be >= 1: it caps the trainer/generator importance weight from above "
+            "(typical: 2.0); leave it unset to turn TIS off"
+        )
+    if c.max_sampling_rounds < 1:
+        raise ConfigError(f"grpo.max_sampling_rounds={c.max_sampling_rounds} must be >= 1")
+    if c.overlong_buffer < 0 or c.overlong_penalty < 0:
+        raise ConfigError(
+            f"grpo.overlong_buffer={c.overlong_buffer} and grpo.overlong_penalty={c.overlong_penalty} must be >= 0"
+        )
 
 
 @dataclass
@@ -287,6 +391,11 @@ class GRPORunConfig:
                 dp=self.trainer.num_procs,
                 what=f"warmup.batch_size={self.warmup.batch_size}",
             )
+        if self.grpo.overlong_buffer >= self.generator.max_tokens:
+            raise ConfigError(
+                f"grpo.overlong_buffer={self.grpo.overlong_buffer} must be < generator.max_tokens="
+                f"{self.generator.max_tokens} (the penalty starts at max_tokens - overlong_buffer)"
+            )
         longest_prompt = self.task.max_len + 1  # letters + '='
         if longest_prompt + self.generator.max_tokens > self.generator.max_model_len:
             raise ConfigError(
@@ -325,6 +434,11 @@ class SFTDataConfig:
     max_seq_len: int | None = None
     """Longest prompt + response in tokens; default: the model's max_position_embeddings."""
     shuffle_seed: int = 0
+    pack: bool = False
+    """Pack several examples into each row (document-masked attention, per-document positions): no compute
+    spent on padding when lengths vary. Same loss as unpacked (torchtitan backend)."""
+    pack_len: int | None = None
+    """Tokens per packed row; default: data.max_seq_len."""
 
 
 @dataclass

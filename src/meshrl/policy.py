@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshrl.losses import LossBatch, get_loss
+from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
 from meshrl.models.titan_backend import TorchtitanBackend, full_tensor
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
@@ -31,14 +31,38 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
     tokens = torch.full((B, max_len), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T)
     old = torch.zeros(B, T)
+    has_ref = all(d.ref_logprobs is not None for d in data)
+    ref = torch.zeros(B, T) if has_ref else None
     for i, d in enumerate(data):
         n = len(d.tokens)
         tokens[i, :n] = torch.tensor(d.tokens)
         mask[i, : n - 1] = torch.tensor(d.loss_mask, dtype=torch.float32)
         if d.old_logprobs is not None:
             old[i, : n - 1] = torch.tensor(d.old_logprobs, dtype=torch.float32)
+        if ref is not None:
+            ref[i, : n - 1] = torch.tensor(d.ref_logprobs, dtype=torch.float32)
     adv = torch.tensor([d.advantage for d in data], dtype=torch.float32)
-    return tokens.to(device), LossBatch(mask=mask.to(device), old_logprobs=old.to(device), advantages=adv.to(device))
+    return tokens.to(device), LossBatch(
+        mask=mask.to(device),
+        old_logprobs=old.to(device),
+        advantages=adv.to(device),
+        ref_logprobs=None if ref is None else ref.to(device),
+    )
+
+
+def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor | None:
+    """`[B, L]` positions for packed rows (None when no datum is packed). Padding continues the last document,
+    whose loss mask is 0 there."""
+    if all(d.positions is None for d in data):
+        return None
+    max_len = max(len(d.tokens) for d in data)
+    out = torch.zeros(len(data), max_len, dtype=torch.long)
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        pos = torch.tensor(d.positions) if d.positions is not None else torch.arange(n)
+        out[i, :n] = pos
+        out[i, n:] = torch.arange(1, max_len - n + 1) + pos[-1]
+    return out.to(device)
 
 
 def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -116,19 +140,23 @@ class Policy:
         per_rank = len(data) // self.world_size
         return data[self.rank * per_rank : (self.rank + 1) * per_rank]
 
-    def _logprobs(self, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        return target_logprobs(self.backend.logits(tokens), tokens, temperature)
+    def _logprobs(self, tokens: torch.Tensor, temperature: float, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is None:
+            return target_logprobs(self.backend.logits(tokens), tokens, temperature)
+        if not getattr(self.backend, "supports_packing", False):
+            raise ValueError(f"packed rows (Datum.positions) are not supported by the {self.backend.name!r} backend")
+        return target_logprobs(self.backend.logits(tokens, positions), tokens, temperature)
 
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
-        loss_fn = get_loss(loss.name)
+        check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
         local = self._local_shard(data)
         tokens, batch = collate(local, self.pad_id, self.device)
-        logprobs = self._logprobs(tokens, loss.temperature)
-        loss_sum, metrics = loss_fn(logprobs, batch, **loss.params)
-        scaled = loss_sum / loss.num_loss_tokens
+        logprobs = self._logprobs(tokens, loss.temperature, collate_positions(local, self.device))
+        # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
+        scaled, metrics = compute_loss(logprobs, batch, loss)
         self._check_finite_everywhere(scaled, "loss")
         scaled.backward()
-        stats = torch.stack([loss_sum.detach() / loss.num_loss_tokens, batch.mask.sum()] + list(metrics.values()))
+        stats = torch.stack([scaled.detach(), batch.mask.sum()] + list(metrics.values()))
         dist.all_reduce(stats)
         return ForwardBackwardResult(
             logprobs=self._gather_rows(logprobs.detach(), local),
@@ -141,7 +169,7 @@ class Policy:
     def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
         local = self._local_shard(data)
         tokens, _ = collate(local, self.pad_id, self.device)
-        return self._gather_rows(self._logprobs(tokens, temperature), local)
+        return self._gather_rows(self._logprobs(tokens, temperature, collate_positions(local, self.device)), local)
 
     def optim_step(self, p: OptimParams) -> OptimResult:
         for group in self.optimizer.param_groups:
@@ -220,6 +248,8 @@ class Policy:
         """Load HF weights (collective). An HF checkpoint holds no optimiser state, so the optimiser starts
         fresh. New weights are a new policy: the version is bumped (except for the initial load)."""
         self.backend.load_hf(path)
+        for param in self.model.parameters():  # gradients of the old weights mean nothing for the new ones
+            param.grad = None
         # Only trainable weights (with LoRA: the adapters) are in the optimiser.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)

@@ -54,6 +54,8 @@ class Datum:
     loss_mask: list[float]  # weight of each target token in the loss (0 for prompt and padding)
     old_logprobs: list[float] | None = None  # generator's logprobs of the targets (0 where the mask is 0)
     advantage: float = 0.0
+    ref_logprobs: list[float] | None = None  # reference model's logprobs of the targets (for a KL term)
+    positions: list[int] | None = None  # per token (len(tokens)); restarts at 0 per packed document
 
     def __post_init__(self) -> None:
         n = len(self.tokens) - 1
@@ -63,6 +65,10 @@ class Datum:
             raise ValueError(f"loss_mask has {len(self.loss_mask)} entries; expected len(tokens) - 1 = {n}")
         if self.old_logprobs is not None and len(self.old_logprobs) != n:
             raise ValueError(f"old_logprobs has {len(self.old_logprobs)} entries; expected len(tokens) - 1 = {n}")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} entries; expected len(tokens) - 1 = {n}")
+        if self.positions is not None and (len(self.positions) != n + 1 or self.positions[0] != 0):
+            raise ValueError(f"positions must have len(tokens) = {n + 1} entries and start at 0")
 
     @classmethod
     def from_completion(
@@ -87,27 +93,51 @@ class Datum:
 
 @dataclass
 class LossSpec:
-    """Which loss `forward_backward` applies, and the global normaliser that makes k micro-batch calls plus one
-    `optim_step` equal one big batch: the loss of every call is divided by `num_loss_tokens`, the number of
-    loss tokens in the whole optimiser step over all ranks and micro-batches."""
+    """Which loss `forward_backward` applies, how its per-token matrix is aggregated, and the GLOBAL normaliser
+    that makes k micro-batch calls plus one `optim_step` equal one big batch: every call's aggregated loss is
+    divided by `normalizer`, computed by the controller over the whole optimiser step (all ranks and
+    micro-batches; `meshrl.losses.make_loss_spec` / `step_normalizer`). Without `normalizer`, the divisor is
+    `num_loss_tokens`, the step's loss-token count (right for aggregation "token_mean")."""
 
     name: str = "grpo"
     num_loss_tokens: int = 1
     params: dict = field(default_factory=dict)  # loss-specific (e.g. clip_low, clip_high)
     temperature: float = 1.0  # sampling temperature; the trainer's logits are divided by it
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | token_sum_norm | custom
+    normalizer: float | None = None  # the step's global denominator for `aggregation`; None: num_loss_tokens
+    kl_coef: float = 0.0  # > 0: add kl_coef * KL(policy || reference) per token (needs Datum.ref_logprobs)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    tis_cap: float | None = None  # truncated importance sampling trainer/generator; weights capped at this
 
     def __post_init__(self) -> None:
         if self.num_loss_tokens < 1:
             raise ValueError(f"num_loss_tokens={self.num_loss_tokens} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
+        if self.normalizer is None and self.aggregation != "token_mean":
+            raise ValueError(
+                f"aggregation {self.aggregation!r} needs an explicit global normalizer (see "
+                "meshrl.losses.make_loss_spec); only 'token_mean' defaults to num_loss_tokens"
+            )
+        if self.normalizer is not None and not self.normalizer > 0:
+            raise ValueError(f"normalizer={self.normalizer} must be > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef={self.kl_coef} must be >= 0")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}; use 'k1', 'k2' or 'k3'")
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"tis_cap={self.tis_cap} must be >= 1 (it caps importance weights from above)")
+
+    @property
+    def denominator(self) -> float:
+        return float(self.normalizer if self.normalizer is not None else self.num_loss_tokens)
 
 
 @dataclass
 class ForwardBackwardResult:
     logprobs: list[list[float]]  # per datum, per target token (trainer's, before this call's update)
-    loss: float  # this call's contribution to the step loss (already divided by num_loss_tokens)
-    metrics: dict[str, float]  # sums over this call's loss tokens (divide by num_loss_tokens for means)
+    loss: float  # this call's contribution to the step loss (already divided by the global normaliser)
+    metrics: dict[str, float]  # sums over this call's loss tokens (divide by the step's loss tokens for means)
     num_tokens: int  # loss tokens in this call
 
 

@@ -91,6 +91,7 @@ def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str,
             raise BadRowError("the last message must be the assistant's (it is the response to train on)")
         if getattr(tokenizer, "chat_template", None) is None:
             raise BadRowError("chat `messages` rows need a tokenizer with a chat template")
+
         def render(msgs: list, **kw: Any) -> list[int]:
             text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
             return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -146,6 +147,33 @@ def load_sft_dataset(
     if not examples:
         raise ValueError(f"SFT data {name} has no usable rows (skipped: {dict(skipped) or 'none'})")
     return SFTDataset(examples, name, skipped)
+
+
+def pack_examples(examples: list[SFTExample], max_len: int) -> list:
+    """Pack examples, in order, into rows of at most `max_len` tokens (`Datum`s with per-document positions
+    and the loss on each document's response only; the target that would cross a document boundary is masked).
+    The loss over the packed rows is the same sum as over the unpacked examples — only the padding goes."""
+    from meshrl.types import Datum
+
+    rows, tokens, mask, positions = [], [], [], []
+
+    def flush() -> None:
+        if tokens:
+            rows.append(Datum(list(tokens), mask[:-1], positions=list(positions)))  # no target after the last
+            tokens.clear(), mask.clear(), positions.clear()
+
+    for ex in examples:
+        n = len(ex)
+        if n > max_len:
+            raise ValueError(f"an example of {n} tokens does not fit in packed rows of {max_len}")
+        if len(tokens) + n > max_len:
+            flush()
+        tokens.extend(ex.prompt_ids + ex.response_ids)
+        # Targets of this document, then the (masked) target that would predict the next document's first token.
+        mask.extend([0.0] * (len(ex.prompt_ids) - 1) + [1.0] * len(ex.response_ids) + [0.0])
+        positions.extend(range(n))
+    flush()
+    return rows
 
 
 class EpochSampler:

@@ -11,6 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
@@ -37,8 +38,31 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
             param.copy_(value)
 
 
+def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, L, L] mask for packed rows: causal, and no attention across documents (a document starts
+    wherever its position restarts at 0)."""
+    doc = torch.cumsum(positions == 0, dim=1)
+    L = positions.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+class DocumentMaskedSDPA(torch.nn.Module):
+    """torchtitan's SDPA inner attention refuses masks; this one takes the document mask of packed rows (and is
+    plain causal SDPA without one). Parameter-free, so it can replace the built module on the meta device."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **_):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, L, N, H) -> (B, N, L, H)
+        if attention_masks is None:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
 class TorchtitanBackend:
     name = "torchtitan"
+    supports_packing = True
 
     def __init__(
         self,
@@ -48,7 +72,7 @@ class TorchtitanBackend:
         attn_backend: str = "sdpa",
         param_dtype: str = "float32",
     ) -> None:
-        self.device = device
+        self.device, self.attn_backend = device, attn_backend
         self.hf_config = qwen3.read_hf_config(model_dir)
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
         self.max_seq_len = int(self.hf_config["max_position_embeddings"])
@@ -69,6 +93,9 @@ class TorchtitanBackend:
         parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
         parallel_dims.build_mesh()
         model = qwen3.build_model_on_meta(self.titan_config)
+        if self.attn_backend == "sdpa":
+            for block in model.layers.values():
+                block.attention.inner_attention = DocumentMaskedSDPA()
         parallelize_qwen3(
             model,
             parallel_dims=parallel_dims,
@@ -90,8 +117,14 @@ class TorchtitanBackend:
             model.init_states(buffer_device=self.device)  # RoPE buffers; weights are loaded next
         return model
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            return self.model(tokens)
+        if self.attn_backend == "sdpa":
+            masks = document_causal_mask(positions)
+        else:  # flex: torchtitan's block-causal document mask
+            masks = self.model.get_attention_masks(positions)
+        return self.model(tokens, positions=positions, attention_masks=masks)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under HF names. Collective: every rank must call it."""

@@ -1,0 +1,606 @@
+"""Generation engine 'transformers': continuous batching over a preallocated KV cache, for any transformers
+causal LM whose attention goes through transformers' attention interface (Llama/Qwen-style models).
+
+Same interface as `VLLMEngine` (`generate`, `prompt_logprobs`, `load_weights`, `max_model_len`, `shutdown`), and
+nothing here imports vLLM or torchtitan, so it runs on the GPU machine's preinstalled torch.
+
+How it works:
+- The model is loaded with `attn_implementation="meshrl_kv"`, an attention function registered with
+  transformers' `AttentionInterface`: the model's own projections, norms and RoPE run unchanged; only the
+  attention reads and writes our cache. RoPE gets each row's true position through `position_ids`.
+- KV cache: one static tensor `[2, layers, slots, kv_heads, max_model_len, head_dim]`, allocated once. A
+  running sequence owns one slot. Rows are kept contiguous (a finished row's slot is refilled by a new request
+  or, when the queue is empty, by moving the last row into it), so a decode step runs over slots `[0, n)`.
+- Continuous batching: each iteration admits queued requests into free slots (one batched, right-padded
+  prefill; the `n` samples of a prompt share one prefill and copy its KV), then runs one decode step for every
+  running row. Finished rows leave at once; their slots are reused on the next iteration.
+- Decode step: one token per row, attention over `[0, bucket)` of the cache with a per-row length mask, done
+  with two batched matmuls (GQA without repeating KV). On GPU it is captured as CUDA graphs, one per (batch
+  bucket, length bucket), replayed with static input buffers; weights are updated in place, so the graphs and
+  the cache stay valid across `load_weights`.
+- Sampling: temperature, top-k, top-p; logprobs are "processed" (of the distribution actually sampled from,
+  after temperature/top-k/top-p), greedy reports the plain log-softmax, like the vLLM engine. Noise is a
+  counter-based hash of (request seed, step), so a seeded request is reproducible whatever else is in the
+  batch, and no two samples share noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshrl.types import Completion, SamplingParams
+
+ATTN_NAME = "meshrl_kv"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the attention function the model calls (transformers' AttentionInterface)
+
+
+class _Ctx:
+    """What the attention function needs for the forward being run (set by the engine around each forward)."""
+
+    mode: str = "full"  # "full" (no cache), "prefill" (write rows `slots`), "decode" (write at `pos`)
+    k: list[torch.Tensor] = []
+    v: list[torch.Tensor] = []
+    slots: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    length: int = 0
+
+
+_ACTIVE: list[_Ctx] = []
+
+
+def _kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query [B, H, T, D], key/value [B, Hkv, T, D] (after RoPE) -> ([B, T, H, D], None)."""
+    if not _ACTIVE:
+        raise RuntimeError(f"attention '{ATTN_NAME}' called outside HFEngine (no KV cache is set)")
+    ctx = _ACTIVE[-1]
+    if ctx.mode == "decode":
+        li = module.layer_idx
+        kc, vc = ctx.k[li], ctx.v[li]  # [S, Hkv, L, D]
+        B, H, _, D = query.shape
+        Hkv = kc.shape[1]
+        kc[ctx.rows, :, ctx.pos] = key[:, :, 0]
+        vc[ctx.rows, :, ctx.pos] = value[:, :, 0]
+        k = kc[:B, :, : ctx.length]
+        v = vc[:B, :, : ctx.length]
+        q = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads kv head h // (H / Hkv), as repeat_kv
+        scale = scaling if scaling is not None else D**-0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+        probs = torch.softmax(scores + ctx.bias[:, None, None, :], dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [B, Hkv, G, D]
+        return out.reshape(B, 1, H, D), None
+    if ctx.mode == "prefill":
+        li = module.layer_idx
+        T = key.shape[2]
+        ctx.k[li][ctx.slots, :, :T] = key
+        ctx.v[li][ctx.slots, :, :T] = value
+    # Causal attention over the (right-padded) rows themselves: padding only follows the real tokens.
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _kv_attention)
+    with contextlib.suppress(Exception):  # older transformers: models build masks themselves
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(ATTN_NAME, lambda *args, **kwargs: None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampling
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def uniform_noise(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row from (seed, step): counter-based, so independent of batch composition."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(seeds.astype(np.uint64)) ^ steps.astype(np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of float32 `logits` [n, V]; return (tokens [n], processed logprobs [n]).
+
+    temperature 0 is greedy (argmax; logprob = plain log-softmax). `top_k` [n] (V for off) and `top_p` [n]
+    (1 for off) may be None when no row uses them. The sample is the inverse CDF at `u` [n] (in [0, 1))."""
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if top_k is not None:
+        kmax = int(top_k.max())
+        kth = torch.topk(scaled, kmax, dim=-1).values.gather(1, (top_k - 1).clamp(max=kmax - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, _NEG_INF)
+    if top_p is not None:
+        sorted_l, idx = scaled.sort(dim=-1, descending=True)
+        probs = sorted_l.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above: keep while it is below top_p
+        sorted_l = sorted_l.masked_fill(before >= top_p[:, None], _NEG_INF)
+        scaled = torch.empty_like(scaled).scatter_(1, idx, sorted_l)
+    logp = torch.log_softmax(scaled, dim=-1)
+    cdf = logp.exp().cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
+    drawn = drawn.clamp_(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine
+
+
+@dataclass
+class _Request:
+    prompt_index: int
+    prompt: list[int]
+    seed: int
+    params: SamplingParams
+    stop: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _buckets(limit: int, small: Sequence[int], step: int) -> list[int]:
+    out = sorted({b for b in small if b < limit} | set(range(step, limit, step)) | {limit})
+    return out
+
+
+class HFEngine:
+    """A transformers model with a static KV cache, continuous batching and (on GPU) CUDA-graph decode steps.
+
+    `max_num_seqs`: slots of the KV cache (sequences decoded together); it is lowered to what
+    `kv_cache_memory_bytes` holds when that is given. `cuda_graphs`: capture decode steps on GPU.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        max_num_seqs: int = 256,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        cuda_graphs: bool = True,
+        max_prefill_tokens: int = 16384,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise FileNotFoundError(
+                f"{model_dir!r} has no config.json; HFEngine needs an HF-format model directory "
+                "(config.json + *.safetensors), e.g. written by save_pretrained"
+            )
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        _register_attention()
+        self.model_dir, self.dtype, self.torch_dtype = model_dir, dtype, _DTYPES[dtype]
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.torch_dtype, attn_implementation=ATTN_NAME)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        cfg = model.config.get_text_config()
+        layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if (
+            layer_types != {"full_attention"}
+            or getattr(cfg, "sliding_window", None)
+            and getattr(cfg, "use_sliding_window", False)
+        ):
+            raise NotImplementedError(f"HFEngine supports full-attention models only; this one has {layer_types}")
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(cfg, attr, None):
+                raise NotImplementedError(f"HFEngine does not apply {attr} (the model's logits are post-processed)")
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self._mask_arg = {"full_attention": None, "sliding_attention": None}  # skips transformers' mask building
+        self.vocab_size = int(cfg.vocab_size)
+        self._max_model_len = min(int(max_model_len), int(cfg.max_position_embeddings))
+        self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        per_slot = 2 * self.num_layers * self.kv_heads * self._max_model_len * self.head_dim
+        per_slot *= torch.finfo(self.torch_dtype).bits // 8
+        slots = int(max_num_seqs)
+        if kv_cache_memory_bytes is not None:
+            slots = min(slots, int(kv_cache_memory_bytes) // per_slot)
+        if slots < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no sequence of max_model_len="
+                f"{self._max_model_len} ({per_slot} bytes each); raise it or lower max_model_len"
+            )
+        self.num_slots = slots
+        self.kv_cache_bytes = per_slot * slots
+        # The cache: allocated once, never re-allocated (weight updates and CUDA graphs rely on it).
+        self.kv = torch.zeros(
+            2, self.num_layers, slots, self.kv_heads, self._max_model_len, self.head_dim,
+            dtype=self.torch_dtype, device=self.device,
+        )  # fmt: skip
+        self._ctx = _Ctx()
+        self._ctx.k, self._ctx.v = list(self.kv[0]), list(self.kv[1])
+        # Static decode inputs (CUDA graphs read these addresses).
+        self.ids_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.pos_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.rows_buf = torch.arange(slots, device=self.device)
+        self.iota = torch.arange(self._max_model_len, device=self.device)
+        self.logits_buf = torch.zeros(slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.batch_buckets = _buckets(slots, (1, 2, 4, 8, 16, 24, 32, 48), 64 if slots > 64 else 16)
+        self.len_buckets = _buckets(self._max_model_len, (32, 64, 128, 256), 256)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self.graph_failures: list[str] = []
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self._rng = random.Random(seed)
+        gen_cfg = None
+        with contextlib.suppress(Exception):
+            gen_cfg = GenerationConfig.from_pretrained(model_dir)
+        eos = getattr(gen_cfg, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0}
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tokens(self, what: str, index: int, ids: Sequence[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError(f"{what} {index} is empty; every {what} needs at least one token id")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(
+                f"{what} {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
+                f"{' ...' if len(bad) > 8 else ''}"
+            )
+
+    # ------------------------------------------------------------------ forward passes
+
+    @contextlib.contextmanager
+    def _mode(self, mode: str):
+        self._ctx.mode = mode
+        _ACTIVE.append(self._ctx)
+        try:
+            yield self._ctx
+        finally:
+            _ACTIVE.pop()
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=self._mask_arg, use_cache=False)
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def _prefill(self, rows: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts, writing their KV into `slots`; return last-position logits (float32)."""
+        T = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+        ids = ids.to(self.device, non_blocking=True)
+        pos = self.iota[:T].expand(len(rows), T)
+        with self._mode("prefill") as ctx:
+            ctx.slots = slots
+            h = self._hidden(ids, pos)
+        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
+        self.stats["prefills"] += 1
+        return self.lm_head(h[torch.arange(len(rows), device=self.device), last]).float()
+
+    def _decode_forward(self, B: int, L: int) -> torch.Tensor:
+        ctx = self._ctx
+        ctx.rows, ctx.pos, ctx.length = self.rows_buf[:B], self.pos_buf[:B], L
+        ctx.bias = torch.where(self.iota[None, :L] <= self.pos_buf[:B, None], 0.0, _NEG_INF)
+        h = self._hidden(self.ids_buf[:B, None], self.pos_buf[:B, None])
+        out = self.logits_buf[:B]
+        torch.matmul(h[:, 0], self.lm_head.weight.t(), out=out)
+        if getattr(self.lm_head, "bias", None) is not None:
+            out.add_(self.lm_head.bias)
+        return out
+
+    @torch.no_grad()
+    def _decode(self, n: int, max_len: int) -> torch.Tensor:
+        """One decode step over rows [0, n) whose longest attention span is `max_len`; logits [n, V] (float32)."""
+        self.stats["decode_steps"] += 1
+        with self._mode("decode"):
+            if self.use_graphs:
+                B = next(b for b in self.batch_buckets if b >= n)
+                L = next(b for b in self.len_buckets if b >= max_len)
+                graph = self._graphs.get((B, L)) or self._capture(B, L)
+                if graph is not None:
+                    graph.replay()
+                    self.stats["graph_replays"] += 1
+                    return self.logits_buf[:n].float()
+            return self._decode_forward(n, max_len)[:n].float()
+
+    def _capture(self, B: int, L: int):
+        try:
+            self._decode_forward(B, L)  # warm-up (same inputs as the step about to run: idempotent writes)
+            torch.cuda.synchronize(self.device)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._decode_forward(B, L)
+            self._graphs[(B, L)] = graph
+            return graph
+        except Exception as e:  # noqa: BLE001 - fall back to eager decode steps, and say why
+            self.graph_failures.append(f"{type(e).__name__}: {e}")
+            self.use_graphs = False
+            return None
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
+        """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
+
+        temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
+        sample j uses seed `params.seed + i * n + j`: a call is reproducible and no two samples share noise.
+        """
+        prompts = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(prompts):
+            self._check_tokens("prompt", i, p)
+            if len(p) + params.max_tokens > self._max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together "
+                    f"exceed max_model_len={self._max_model_len}; shorten/filter the prompt, lower "
+                    f"max_tokens, or build the engine with max_model_len >= {len(p) + params.max_tokens}"
+                )
+        if not prompts:
+            return []
+        greedy = params.temperature == 0
+        n_run = 1 if greedy else params.n
+        stop = frozenset(int(t) for t in params.stop_token_ids) | self.eos_ids
+        requests = []
+        for i, p in enumerate(prompts):
+            for j in range(n_run):
+                seed = self._rng.getrandbits(63) if params.seed is None else params.seed + i * params.n + j
+                requests.append(_Request(i, p, seed, params, stop))
+        self._run(requests)
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for r in requests:
+            c = Completion(list(r.prompt), r.tokens, r.logprobs, r.finish_reason or "length", policy_version)
+            results[r.prompt_index].append(c)
+        if greedy and params.n > 1:
+            results = [
+                [Completion(list(c.prompt_ids), list(c.token_ids), list(c.logprobs), c.finish_reason, c.policy_version)
+                 for _ in range(params.n)]
+                for (c,) in results
+            ]  # fmt: skip
+        return results
+
+    def _run(self, requests: list[_Request]) -> None:
+        """Continuous batching: admit into free slots, decode all running rows, retire finished ones."""
+        queue = deque(requests)
+        running: list[_Request] = []  # row r of the batch lives in slot r
+        pos = np.zeros(self.num_slots, dtype=np.int64)  # CPU mirror of pos_buf
+        holes: list[int] = []  # rows whose request finished (their slots are free)
+        while queue or running:
+            if queue and (holes or len(running) < self.num_slots):
+                rows = self._admit(queue, running, pos, holes)
+                taken = set(rows)
+                holes = [h for h in holes if h not in taken] + self._retire(running, rows)
+            if holes:
+                self._compact(running, holes, pos)
+                holes = []
+            if running:
+                n = len(running)
+                logits = self._decode(n, int(pos[:n].max()) + 1)
+                self._sample_and_append(logits, running, list(range(n)))
+                pos[:n] += 1
+                self.pos_buf[:n] += 1
+                holes = self._retire(running, list(range(n)))
+
+    def _admit(self, queue: deque, running: list[_Request], pos: np.ndarray, holes: list[int]) -> list[int]:
+        """Prefill as many queued requests as fit (free slots, prefill token budget) into the holes first, then
+        after the last running row. Returns the rows they took."""
+        free = sorted(holes) + list(range(len(running), self.num_slots))
+        batch: list[_Request] = []
+        prompts: dict[int, int] = {}  # id(prompt) -> longest so far (one prefill row per distinct prompt)
+        longest = 0
+        while queue and len(batch) < len(free):
+            r = queue[0]
+            new_longest = max(longest, len(r.prompt))
+            n_unique = len(prompts) + (id(r.prompt) not in prompts)
+            if batch and n_unique * new_longest > self.max_prefill_tokens:
+                break
+            queue.popleft()
+            batch.append(r)
+            prompts.setdefault(id(r.prompt), 0)
+            longest = new_longest
+        rows = free[: len(batch)]
+        for row, r in zip(rows, batch, strict=True):
+            if row < len(running):
+                running[row] = r
+            else:
+                running.append(r)
+        # One prefill per distinct prompt (the samples of a prompt share it); its KV is copied to the others.
+        src_row: dict[int, int] = {}
+        for row, r in zip(rows, batch, strict=True):
+            src_row.setdefault(id(r.prompt), row)
+        uniq_rows = list(src_row.values())
+        logits = self._prefill([running[row].prompt for row in uniq_rows], torch.tensor(uniq_rows, device=self.device))
+        copies = [(row, src_row[id(r.prompt)]) for row, r in zip(rows, batch, strict=True)]
+        copies = [(d, s) for d, s in copies if d != s]
+        if copies:
+            T = max(len(running[d].prompt) for d, _ in copies)
+            dst = torch.tensor([d for d, _ in copies], device=self.device)
+            src = torch.tensor([s for _, s in copies], device=self.device)
+            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+        which = {row: i for i, row in enumerate(uniq_rows)}
+        pick = torch.tensor([which[src_row[id(r.prompt)]] for r in batch], device=self.device)
+        self._sample_and_append(logits[pick], running, rows)
+        lens = np.array([len(r.prompt) for r in batch], dtype=np.int64)
+        pos[rows] = lens
+        self.pos_buf[torch.tensor(rows, device=self.device)] = torch.from_numpy(lens).to(self.device)
+        return rows
+
+    def _sample_and_append(self, logits: torch.Tensor, running: list[_Request], rows: list[int]) -> None:
+        reqs = [running[r] for r in rows]
+        temp = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        top_k = top_p = None
+        if any(r.params.temperature > 0 and r.params.top_k != -1 for r in reqs):
+            top_k = torch.tensor(
+                [
+                    r.params.top_k if (r.params.temperature > 0 and r.params.top_k != -1) else self.vocab_size
+                    for r in reqs
+                ]
+            ).clamp_(max=self.vocab_size)
+            top_k = top_k.to(self.device, non_blocking=True)
+        if any(r.params.temperature > 0 and r.params.top_p < 1 for r in reqs):
+            top_p = torch.tensor([r.params.top_p if r.params.temperature > 0 else 1.0 for r in reqs])
+            top_p = top_p.to(self.device, non_blocking=True)
+        seeds = np.array([r.seed for r in reqs], dtype=np.uint64)
+        steps = np.array([len(r.tokens) for r in reqs], dtype=np.uint64)
+        u = torch.from_numpy(uniform_noise(seeds, steps)).to(self.device, non_blocking=True)
+        tokens, logprobs = sample(logits, temp.to(self.device, non_blocking=True), top_k, top_p, u)
+        self.ids_buf[torch.tensor(rows, device=self.device)] = tokens
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+        for r, t, lp in zip(reqs, host[0].tolist(), host[1].tolist(), strict=True):
+            t = int(t)
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            if t in r.stop:
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= r.params.max_tokens:
+                r.finish_reason = "length"
+
+    @staticmethod
+    def _retire(running: list[_Request], rows: list[int]) -> list[int]:
+        return [row for row in rows if running[row].finish_reason is not None]
+
+    def _compact(self, running: list[_Request], holes: list[int], pos: np.ndarray) -> None:
+        """Drop finished rows; move the last running rows (slot, KV, decode inputs) into the holes below them."""
+        finished = set(holes)
+        keep_n = len(running) - len(finished)
+        movers = [r for r in range(keep_n, len(running)) if r not in finished]
+        targets = [h for h in sorted(finished) if h < keep_n]
+        assert len(movers) == len(targets)
+        if movers:
+            T = int(pos[movers].max())
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(targets, device=self.device)
+            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+            self.ids_buf[dst] = self.ids_buf[src]
+            self.pos_buf[dst] = self.pos_buf[src]
+            pos[targets] = pos[movers]
+            for s, d in zip(movers, targets, strict=True):
+                running[d] = running[s]
+        del running[keep_n:]
+        self.pos_buf[keep_n:] = 0
+        pos[keep_n:] = 0
+
+    # ------------------------------------------------------------------ scoring
+
+    @torch.no_grad()
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1)."""
+        sequences = [[int(t) for t in s] for s in sequences]
+        for i, s in enumerate(sequences):
+            self._check_tokens("sequence", i, s)
+            if len(s) > self._max_model_len:
+                raise ValueError(
+                    f"sequence {i} has {len(s)} tokens > max_model_len={self._max_model_len}; truncate it or "
+                    f"build the engine with max_model_len >= {len(s)}"
+                )
+        results: list[list[float]] = [[] for _ in sequences]
+        todo = [i for i, s in enumerate(sequences) if len(s) >= 2]
+        budget = max(1, self.max_prefill_tokens)
+        start = 0
+        while start < len(todo):
+            end = start + 1
+            while (
+                end < len(todo) and (end + 1 - start) * max(len(sequences[j]) for j in todo[start : end + 1]) <= budget
+            ):
+                end += 1
+            chunk = [sequences[j] for j in todo[start:end]]
+            T = max(len(s) for s in chunk)
+            ids = torch.zeros(len(chunk), T, dtype=torch.long)
+            for k, s in enumerate(chunk):
+                ids[k, : len(s)] = torch.tensor(s)
+            ids = ids.to(self.device)
+            with self._mode("full"):
+                h = self._hidden(ids, self.iota[:T].expand(len(chunk), T))
+            for k, s in enumerate(chunk):
+                lp = torch.log_softmax(self.lm_head(h[k, : len(s) - 1]).float(), dim=-1)
+                results[todo[start + k]] = lp.gather(1, ids[k, 1 : len(s), None])[:, 0].tolist()
+            start = end
+        return results
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the model in place (cast to the engine dtype). The KV cache and the
+        captured CUDA graphs stay valid (same storage). `lm_head.weight` may be absent when tied."""
+        if not state_dict:
+            raise ValueError("load_weights got an empty state dict")
+        params = self.model.state_dict(keep_vars=True)
+        unknown = [k for k in state_dict if k not in params]
+        if unknown:
+            raise KeyError(f"load_weights: {len(unknown)} names are not weights of this model, e.g. {unknown[:3]}")
+        for name, t in state_dict.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model {tuple(p.shape)}")
+            p.data.copy_(t.detach().to(device=p.device, dtype=p.dtype), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ teardown
+
+    def shutdown(self) -> None:
+        """Free the model, the cache and the graphs. The object is unusable afterwards."""
+        self._graphs.clear()
+        for name in ("model", "decoder", "lm_head", "kv", "logits_buf"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+__all__ = ["HFEngine", "sample", "uniform_noise", "ATTN_NAME"]

@@ -1,0 +1,33 @@
+"""A user-written loss and aggregation, as a user would put them in their own module. The trainer processes import
+this module by name ('custom_algorithms:...'); tests/conftest.py puts tests/ on their PYTHONPATH."""
+
+from __future__ import annotations
+
+import torch
+
+from meshrl.losses import LossBatch, register_aggregation, register_loss
+
+
+@register_loss("scaled_reinforce")
+def scaled_reinforce(
+    logprobs: torch.Tensor, batch: LossBatch, *, scale: float = 1.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """-scale · A · logp per token, and one metric."""
+    adv = batch.advantages[:, None].to(logprobs.dtype)
+    return -scale * adv * logprobs, {"adv_tokens": (adv.abs() * batch.mask).sum()}
+
+
+def _sqrt_len_reduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's token sum divided by sqrt(its length): additive over sequences, so micro-batches add up."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1).sqrt()).sum()
+
+
+seq_sqrt = register_aggregation(
+    "seq_sqrt", _sqrt_len_reduce, lambda data: float(sum(1 for d in data if d.num_loss_tokens > 0))
+)
+
+
+@register_loss("needs_ref", needs_reference=True)
+def needs_ref(logprobs: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Pulls the policy towards the reference model: (logp - logp_ref)^2 / 2."""
+    return 0.5 * (logprobs - batch.ref_logprobs).square(), {}

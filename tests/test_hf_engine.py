@@ -1,0 +1,278 @@
+"""VLLMEngine against transformers on a tiny random Qwen3 (CPU, fp32, no hub access).
+
+One engine is started for the whole module (start-up dominates the cost). The weight-update test restores the
+original weights before it returns, so test order does not matter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from meshrl.generation.hf_engine import HFEngine  # noqa: E402
+from meshrl.types import SamplingParams  # noqa: E402
+
+torch.set_num_threads(1)
+
+VOCAB = 48
+MAX_MODEL_LEN = 256
+ATOL = 1e-4
+# Larger than the default 0.02 so the random model is not degenerate (std 0.02 just repeats the last token)
+# while greedy choices keep a clear margin over fp32 noise.
+INIT_RANGE = 0.3
+EOS_PROMPT = [5, 6, 7]
+PROMPTS = [EOS_PROMPT, [20, 21, 22], [3], [40, 2, 17, 9, 33, 12, 8], [11, 30, 11, 30, 11]]
+
+
+def _config(eos_token_id: int):
+    return transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+        initializer_range=INIT_RANGE,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+
+
+def _make_model(seed: int, eos_token_id: int):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(_config(eos_token_id)).eval()
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _save_tokenizer(path: str, eos_token_id: int) -> None:
+    """Character-level WordLevel tokenizer with `<eos>` at `eos_token_id`, HF format."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    others = ["<pad>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-*/")
+    ids = [i for i in range(VOCAB) if i != eos_token_id]
+    assert len(others) == len(ids)
+    vocab = {"<eos>": eos_token_id, **dict(zip(others, ids, strict=True))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[i] | prompt + tokens[:i]) under softmax(logits / temperature)."""
+    seq = torch.tensor([prompt + tokens])
+    logits = model(seq).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    return lp[pos, torch.tensor(tokens)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(engine, model A, eos id). The EOS id is chosen so that EOS_PROMPT's greedy continuation ends on it."""
+    model_dir = str(tmp_path_factory.mktemp("tiny_qwen3"))
+    model = _make_model(0, eos_token_id=1)
+    model.generation_config.eos_token_id = None  # free-running continuation, to pick the EOS from
+    free = _hf_greedy(model, EOS_PROMPT, 10)
+    eos = next(t for k, t in enumerate(free) if k >= 2 and t not in free[:k])
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(model_dir)  # safetensors
+    _save_tokenizer(model_dir, eos)
+
+    engine = HFEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    yield engine, model, eos
+    engine.shutdown()
+
+
+def test_greedy_matches_transformers(setup):
+    engine, model, eos = setup
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), policy_version=7)
+    assert len(out) == len(PROMPTS)
+    reasons = []
+    for prompt, comps in zip(PROMPTS, out, strict=True):
+        assert len(comps) == 1
+        c = comps[0]
+        assert c.prompt_ids == prompt
+        assert c.policy_version == 7
+        assert c.token_ids == _hf_greedy(model, prompt, 12), f"prompt {prompt}"
+        if c.token_ids[-1] == eos:
+            assert c.finish_reason == "stop"
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 12
+        reasons.append(c.finish_reason)
+    # The model's EOS (generation_config.json, no tokenizer loaded) is honoured, not only max_tokens.
+    assert out[0][0].finish_reason == "stop" and 3 <= len(out[0][0].token_ids) <= 10
+    assert "length" in reasons
+
+
+def test_greedy_logprobs_match_transformers(setup):
+    engine, model, _ = setup
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, n=2), policy_version=0)
+    for prompt, comps in zip(PROMPTS, out, strict=True):
+        assert len(comps) == 2 and comps[0].token_ids == comps[1].token_ids  # greedy n=2: identical copies
+        c = comps[0]
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(isinstance(x, float) for x in c.logprobs)
+        ref = _hf_logprobs(model, prompt, c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=ATOL, rtol=0)
+
+
+def test_prompt_logprobs_match_transformers(setup):
+    engine, model, _ = setup
+    g = torch.Generator().manual_seed(5)
+    seqs = [
+        [4, 9],
+        [5, 6, 7, 8, 9, 10, 11],
+        torch.randint(0, VOCAB, (40,), generator=g).tolist(),
+        # exactly max_model_len tokens: the full sequence a max-length completion produces
+        torch.randint(0, VOCAB, (MAX_MODEL_LEN,), generator=g).tolist(),
+        [13],
+    ]
+    got = engine.prompt_logprobs(seqs)
+    assert len(got) == len(seqs)
+    assert got[-1] == []
+    for s, lp in zip(seqs[:-1], got[:-1], strict=True):
+        assert len(lp) == len(s) - 1
+        ref = _hf_logprobs(model, s[:1], s[1:])
+        torch.testing.assert_close(torch.tensor(lp), ref, atol=ATOL, rtol=0)
+
+
+def test_sampling_n_and_processed_logprobs(setup):
+    engine, model, eos = setup
+    temp = 0.7
+    params = SamplingParams(max_tokens=10, temperature=temp, n=4, seed=123)
+    prompts = PROMPTS[1:3]
+    out = engine.generate(prompts, params, policy_version=3)
+    assert [len(c) for c in out] == [4, 4]
+    for prompt, comps in zip(prompts, out, strict=True):
+        for c in comps:
+            assert 1 <= len(c.token_ids) <= 10
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(0 <= t < VOCAB for t in c.token_ids)
+            assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+            assert c.policy_version == 3 and c.prompt_ids == prompt
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == eos
+            else:
+                assert c.finish_reason == "length" and len(c.token_ids) == 10 and eos not in c.token_ids
+            # processed logprobs: under the temperature-scaled distribution actually sampled from
+            ref = _hf_logprobs(model, prompt, c.token_ids, temperature=temp)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=ATOL, rtol=0)
+        assert len({tuple(c.token_ids) for c in comps}) > 1, "4 samples at T=0.7 should not all coincide"
+    # seeded -> reproducible
+    again = engine.generate(prompts, params, policy_version=3)
+    assert [[c.token_ids for c in x] for x in again] == [[c.token_ids for c in x] for x in out]
+    # ... and the same prompt twice in one call does not reuse the same noise
+    twice = engine.generate([prompts[0], prompts[0]], params, policy_version=3)
+    assert [c.token_ids for c in twice[0]] == [c.token_ids for c in out[0]]
+    assert [c.token_ids for c in twice[1]] != [c.token_ids for c in twice[0]]
+
+    # top-k: every token is in the top k, and its logprob is renormalised over those k
+    k = 3
+    out = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=1.0, top_k=k, n=2, seed=9), 0)
+    for prompt, comps in zip(prompts, out, strict=True):
+        for c in comps:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0].float()
+            for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+                row = logits[len(prompt) - 1 + i]
+                top = torch.topk(row, k)
+                assert t in top.indices.tolist()
+                ref = torch.log_softmax(top.values, -1)[top.indices.tolist().index(t)].item()
+                assert abs(lp - ref) < ATOL
+
+
+def test_stop_token_ids(setup):
+    engine, model, _ = setup
+    prompt = PROMPTS[3]
+    greedy = _hf_greedy(model, prompt, 12)
+    stop = greedy[2]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop])
+    (c,) = engine.generate([prompt], params, 1)[0]
+    cut = greedy.index(stop) + 1
+    assert c.finish_reason == "stop"
+    assert c.token_ids == greedy[:cut]  # the stop token is kept, with its logprob
+    assert len(c.logprobs) == cut
+
+
+def test_load_weights_then_matches_new_model(setup):
+    engine, model_a, eos = setup
+    model_b = _make_model(1, eos_token_id=eos)
+    g = torch.Generator().manual_seed(11)
+    # > 128 tokens (the CPU KV block size) so its first block lands in the prefix cache before the update
+    long_prompt = torch.randint(0, VOCAB, (150,), generator=g).tolist()
+    prompts = PROMPTS + [long_prompt]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    seqs = [p + _hf_greedy(model_b, p, 12) for p in prompts]
+
+    before = engine.generate(prompts, greedy, 0)
+    before_lp = engine.prompt_logprobs(seqs)
+    try:
+        # As the trainer sends it: tied, so no lm_head.weight. This is the tied-lm_head trap: without
+        # re-processing the CPU lm_head, logits would come from the OLD embedding matrix.
+        sd = {k: v for k, v in model_b.state_dict().items() if k != "lm_head.weight"}
+        assert "model.layers.0.self_attn.q_proj.weight" in sd
+        engine.load_weights(sd)
+
+        after = engine.generate(prompts, greedy, 1)
+        assert [c[0].token_ids for c in after] != [c[0].token_ids for c in before]
+        for prompt, comps, seq in zip(prompts, after, seqs, strict=True):
+            c = comps[0]
+            assert prompt + c.token_ids == seq, f"prompt of length {len(prompt)}"
+            ref = _hf_logprobs(model_b, prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=ATOL, rtol=0)
+        after_lp = engine.prompt_logprobs(seqs)
+        for seq, lp, old in zip(seqs, after_lp, before_lp, strict=True):
+            ref = _hf_logprobs(model_b, seq[:1], seq[1:])
+            torch.testing.assert_close(torch.tensor(lp), ref, atol=ATOL, rtol=0)
+            assert max(abs(x - y) for x, y in zip(lp, old, strict=True)) > 0.1
+    finally:
+        # Restore A (full state dict, lm_head.weight included this time) for the other tests.
+        engine.load_weights(model_a.state_dict())
+    restored = engine.generate(prompts, greedy, 2)
+    assert [c[0].token_ids for c in restored] == [c[0].token_ids for c in before]
+    for r, b in zip(restored, before, strict=True):
+        torch.testing.assert_close(torch.tensor(r[0].logprobs), torch.tensor(b[0].logprobs), atol=ATOL, rtol=0)
+
+
+def test_validation_errors(setup):
+    engine, _, _ = setup
+    assert engine.max_model_len == MAX_MODEL_LEN
+    long_prompt = [3] * 250
+    with pytest.raises(ValueError) as err:
+        engine.generate([[3, 4], long_prompt], SamplingParams(max_tokens=10), 0)
+    msg = str(err.value)
+    for part in ("prompt 1", "250", "max_tokens=10", f"max_model_len={MAX_MODEL_LEN}"):
+        assert part in msg, msg
+    assert "lower max_tokens" in msg
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingParams(), 0)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 48\)"):
+        engine.generate([[1, 2, VOCAB]], SamplingParams(), 0)
+    with pytest.raises(ValueError, match="sequence 0"):
+        engine.prompt_logprobs([[1] * (MAX_MODEL_LEN + 1)])
+    # the engine still works after rejected calls
+    (c,) = engine.generate([[3, 4]], SamplingParams(max_tokens=2, temperature=0.0), 0)[0]
+    assert len(c.token_ids) >= 1
