@@ -279,6 +279,15 @@ class VLLMEngine:
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {len(weights)}")
         self.llm.reset_prefix_cache()
 
+    def load_weights_ipc(self, handle, version: int | None = None) -> None:
+        """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.cuda_ipc`): each
+        worker opens `handle` once and copies GPU to GPU, with no trip through host memory."""
+        n = len(handle.layout.specs)
+        counts = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(handle, version))
+        if any(c != n for c in counts):
+            raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
+        self.llm.reset_prefix_cache()
+
     # ------------------------------------------------------------------ teardown
 
     def shutdown(self) -> None:

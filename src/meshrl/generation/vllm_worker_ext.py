@@ -49,3 +49,18 @@ class WeightUpdateExtension:
             if getattr(text_config, "tie_word_embeddings", False) and quant_method is not None:
                 quant_method.process_weights_after_loading(lm_head)
         return len(pairs)
+
+    def meshrl_update_weights_ipc(self, handle, version: int | None) -> int:
+        """Load `version` from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`), in place.
+
+        The handle is opened once per worker and kept (opening CUDA IPC memory is the slow part); every later
+        call only copies from the views. The slot stays locked against the trainer while vLLM copies from it.
+        Only a worker on the trainer's GPU can open the handle (same-GPU, colocated layout)."""
+        from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+
+        rx = getattr(self, "_meshrl_ipc_receiver", None)
+        if rx is None or rx.handle.control_path != handle.control_path:
+            rx = CudaIpcReceiver(handle)
+            self._meshrl_ipc_receiver = rx
+        with rx.read(version) as (_, views):
+            return self.meshrl_update_weights(views.items())

@@ -1,0 +1,444 @@
+"""Same-GPU weight sync (trainer and generator processes on one GPU, the colocated layout) over CUDA IPC.
+
+Why not hand over the trainer's tensors one by one: opening one IPC handle costs ~50 µs, and a Qwen3-0.6B state
+dict has ~300 tensors (GPU.md measured ~15 ms of handle opening per hand-off). Instead the trainer owns one
+persistent flat buffer, laid out once (`FlatLayout`: name -> byte offset, shape, dtype), whose IPC handle is
+shared once. Per version the trainer only copies (and casts to the generator dtype) into it and publishes the
+version number; the generator opened the handle once and loads views of the buffer (name -> view) into its
+engine, which copies them into its own weights (so the trainer can overwrite the buffer afterwards).
+
+Never serving a half-updated model — the choice made here: double buffering + per-slot file locks + per-slot
+version marks in a small shared control block (a file in /dev/shm):
+- `publish(v)` writes into the slot that does NOT hold the latest version, under that slot's exclusive lock:
+  mark the slot "being written", copy, synchronise the device (another process's CUDA context does not see
+  this process's stream order, so only a host-side sync followed by a host-side flag is a valid "done"), then
+  write the slot's version and raise `latest`.
+- A reader takes the slot's shared lock, checks the slot still holds the version it wants, lets the engine copy
+  the views, synchronises, and only then releases the lock. So the writer can never overwrite a slot while it
+  is being read, and a reader never sees a slot that is being written (its mark is not a version).
+- With two slots the trainer never waits for a reader that is loading the previous version; it waits (up to
+  a timeout) only if it publishes twice while one load is still running. `num_slots=1` halves the memory and
+  makes every publish wait for running loads. Locks are `flock`s: released by the kernel if a process dies,
+  so a crashed generator cannot wedge the trainer; a crashed writer leaves its slot marked "being written",
+  which is never served.
+
+The control block and locks are host files, so both processes must be on one host — which is implied by one
+GPU. Buffers on the CPU (tests, or CPU processes of one host) are shared through a /dev/shm file instead of a
+CUDA IPC handle, with the same protocol.
+
+`choose_transport` picks "cuda_ipc" when trainer and generator sit on the same physical CUDA device (compared
+by device UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore"
+otherwise. No Monarch in here: the actors pass `CudaIpcHandle` (picklable) through their endpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+ALIGN = 256
+"""Byte alignment of every tensor in the flat buffer: any dtype can view it, and vectorised copies stay aligned."""
+
+_MAGIC = 0x6D65736872_6C  # "meshrl"
+_WRITING = -1  # a slot being written (never a version)
+_EMPTY = -2  # a slot never written
+_HDR = 2  # control block: [magic, latest, slot_0 version, slot_1 version, ...]
+
+
+class WeightVersionUnavailable(LookupError):
+    """The asked-for version is not in any slot (not published yet, or already overwritten by newer ones)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the flat layout
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    offset: int  # bytes from the start of a slot
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each named tensor lives in one slot of the flat byte buffer. Plain data: it pickles small."""
+
+    specs: tuple[TensorSpec, ...]
+    nbytes: int  # bytes of one slot (a multiple of ALIGN)
+
+    @classmethod
+    def of(cls, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> FlatLayout:
+        """Layout for `state_dict` with floating-point tensors cast to `dtype` (the generator's dtype); other
+        tensors keep theirs. Order is the state dict's, each tensor aligned to ALIGN bytes."""
+        specs, offset = [], 0
+        for name, t in state_dict.items():
+            dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+            nbytes = t.numel() * torch.empty((), dtype=dt).element_size()
+            specs.append(TensorSpec(name, tuple(int(s) for s in t.shape), _dtype_name(dt), offset, nbytes))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        if not specs:
+            raise ValueError("FlatLayout.of: empty state dict")
+        return cls(tuple(specs), max(offset, ALIGN))
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> tensor view into `slot` (a 1-D uint8 tensor of `nbytes`). No copy."""
+        if slot.dtype != torch.uint8 or slot.dim() != 1 or slot.numel() < self.nbytes:
+            raise ValueError(f"a slot is a 1-D uint8 tensor of >= {self.nbytes} bytes, got {slot.dtype} {slot.shape}")
+        return {s.name: slot[s.offset : s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape) for s in self.specs}
+
+    def check(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """The state dict has exactly this layout's names and shapes (a new version of the same model)."""
+        if list(state_dict) != self.names:
+            missing = set(self.names) - set(state_dict)
+            extra = set(state_dict) - set(self.names)
+            raise ValueError(
+                f"state dict does not match the layout: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}"
+                + ("" if missing or extra else " (same names, different order)")
+            )
+        for s in self.specs:
+            if tuple(state_dict[s.name].shape) != s.shape:
+                raise ValueError(f"{s.name}: shape {tuple(state_dict[s.name].shape)}, layout {s.shape}")
+
+    def pack(self, slot: torch.Tensor, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy (and cast) `state_dict` into `slot`. Asynchronous on CUDA: synchronise before publishing."""
+        self.check(state_dict)
+        views = self.views(slot)
+        dst, src = [], []
+        for s in self.specs:
+            t = state_dict[s.name].detach()
+            if hasattr(t, "full_tensor"):
+                raise TypeError(f"{s.name} is a DTensor: pack full tensors (call .full_tensor())")
+            dst.append(views[s.name])
+            src.append(t)
+        with torch.no_grad():
+            # One multi-tensor launch instead of ~300 copies where dtypes allow; it falls back per tensor (and
+            # casts) where they differ.
+            torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def unpack(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Owned copies of the tensors in `slot` (tests, debugging)."""
+        return {k: v.clone() for k, v in self.views(slot).items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transport choice
+
+
+def device_identity(device: str | torch.device) -> str:
+    """A string naming the physical device, comparable across processes of one host:
+    'cuda:<uuid>@<host>' for a GPU (UUID: the same GPU whatever CUDA_VISIBLE_DEVICES says), 'cpu@<host>'."""
+    device = torch.device(device)
+    host = socket.gethostname()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{torch.cuda.get_device_properties(index).uuid}@{host}"
+    return f"{device.type}@{host}"
+
+
+def choose_transport(trainer_device: str | torch.device, generator_device: str | torch.device) -> str:
+    """'cuda_ipc' when trainer and generator use the same CUDA device of one host, else 'torchstore'.
+
+    Pass what `device_identity()` returned in each process (they may see different CUDA_VISIBLE_DEVICES), or,
+    when both are resolved in one process, plain devices ('cuda:0', torch.device)."""
+    ids = []
+    for d in (trainer_device, generator_device):
+        s = str(d)
+        ids.append(s if ("@" in s) else device_identity(s))
+    same = ids[0] == ids[1]
+    return "cuda_ipc" if same and ids[0].startswith("cuda:") else "torchstore"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the control block: versions of the slots, and their locks
+
+
+class VersionControl:
+    """`[magic, latest, version of slot 0, ...]` as int64 in a shared file, plus one flock file per slot.
+    The version rules live here (pure Python, no device)."""
+
+    def __init__(self, path: str, num_slots: int, *, create: bool) -> None:
+        self.path, self.num_slots = path, int(num_slots)
+        if create:
+            arr = np.memmap(path, dtype=np.int64, mode="w+", shape=(_HDR + self.num_slots,))
+            arr[:] = [_MAGIC, _EMPTY] + [_EMPTY] * self.num_slots
+            arr.flush()
+        else:
+            arr = np.memmap(path, dtype=np.int64, mode="r+", shape=(_HDR + self.num_slots,))
+            if int(arr[0]) != _MAGIC:
+                raise ValueError(f"{path} is not a meshrl weight-sync control block")
+        self._arr = arr
+        self._lock_fds = [os.open(f"{path}.slot{i}.lock", os.O_RDWR | os.O_CREAT, 0o600) for i in range(num_slots)]
+
+    # -- reads
+    @property
+    def latest(self) -> int | None:
+        v = int(self._arr[1])
+        return None if v < 0 else v
+
+    def slot_version(self, slot: int) -> int:
+        return int(self._arr[_HDR + slot])
+
+    def find(self, version: int) -> int | None:
+        for s in range(self.num_slots):
+            if self.slot_version(s) == version:
+                return s
+        return None
+
+    def slot_for_write(self, version: int) -> int:
+        """The slot to overwrite for `version`: never the one holding the latest version (while there are two
+        or more), else the one holding the oldest. Versions must rise."""
+        if int(version) != version or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        latest = self.latest
+        if latest is not None and version <= latest:
+            raise ValueError(f"version {version} is not newer than the published version {latest}; versions must rise")
+        candidates = [s for s in range(self.num_slots) if self.num_slots == 1 or self.slot_version(s) != latest]
+        return min(candidates, key=self.slot_version)  # _EMPTY/_WRITING (< 0) first, then the oldest
+
+    # -- writes (writer holds the slot's exclusive lock)
+    def mark_writing(self, slot: int) -> None:
+        self._arr[_HDR + slot] = _WRITING
+
+    def mark_written(self, slot: int, version: int) -> None:
+        self._arr[_HDR + slot] = int(version)
+        if self.latest is None or version > self.latest:
+            self._arr[1] = int(version)
+
+    # -- locks (flock: per open file, released by the kernel when the process dies)
+    @contextlib.contextmanager
+    def locked(self, slot: int, *, exclusive: bool, timeout_s: float) -> Iterator[None]:
+        fd = self._lock_fds[slot]
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    who = "a reader is still loading" if exclusive else "the writer is still writing"
+                    raise TimeoutError(
+                        f"weight-sync slot {slot} stayed locked for {timeout_s:.1f}s ({who} version "
+                        f"{self.slot_version(slot)}); is the other process stuck?"
+                    ) from None
+                time.sleep(0.0002)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self, *, unlink: bool = False) -> None:
+        for fd in self._lock_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fds = []
+        if unlink:
+            for p in [self.path] + [f"{self.path}.slot{i}.lock" for i in range(self.num_slots)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sender (trainer) and receiver (generator)
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """Everything a receiver needs, picklable: the layout, the buffer's share handle, the control block path."""
+
+    layout: FlatLayout
+    num_slots: int
+    control_path: str
+    device_identity: str
+    buffer: tuple  # CUDA: torch.multiprocessing's (rebuild_fn, args) of the flat buffer; CPU: ("shm", path, size)
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass
+class PublishStats:
+    version: int
+    slot: int
+    bytes: int
+    wait_s: float  # waiting for a reader of the slot to finish
+    copy_s: float  # pack + device sync
+
+
+class CudaIpcSender:
+    """Trainer side: the flat buffer (`num_slots` slots of `layout.nbytes`, one allocation, so one IPC handle)
+    and the control block. Keep it alive as long as any generator uses the handle."""
+
+    def __init__(self, layout: FlatLayout, device: str | torch.device, *, num_slots: int = 2) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots} must be >= 1")
+        self.layout, self.num_slots, self.device = layout, int(num_slots), torch.device(device)
+        base = os.path.join(_shm_dir(), f"meshrl-wsync-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        size = self.num_slots * layout.nbytes
+        if self.device.type == "cuda":
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            buffer_share: tuple = reduce_tensor(self.buffer)
+        else:  # CPU: a shared-memory file both processes map
+            self._shm_path = base + ".buf"
+            self.buffer = torch.from_file(self._shm_path, shared=True, size=size, dtype=torch.uint8)
+            buffer_share = ("shm", self._shm_path, size)
+        self.control = VersionControl(base + ".ctl", self.num_slots, create=True)
+        self._handle = CudaIpcHandle(
+            layout, self.num_slots, self.control.path, device_identity(self.device), buffer_share
+        )
+
+    @classmethod
+    def for_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        device: str | torch.device,
+        *,
+        dtype: torch.dtype | None = None,
+        num_slots: int = 2,
+    ) -> CudaIpcSender:
+        return cls(FlatLayout.of(state_dict, dtype), device, num_slots=num_slots)
+
+    def handle(self) -> CudaIpcHandle:
+        """Send this to the generator once (it pickles to a few KB)."""
+        return self._handle
+
+    def slot(self, index: int) -> torch.Tensor:
+        n = self.layout.nbytes
+        return self.buffer[index * n : (index + 1) * n]
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, *, timeout_s: float = 60.0) -> PublishStats:
+        """Copy `state_dict` (full tensors, any device; cast to the layout's dtypes) into a free slot and publish
+        it as `version`. Returns when readers can see it."""
+        slot = self.control.slot_for_write(version)
+        t0 = time.perf_counter()
+        with self.control.locked(slot, exclusive=True, timeout_s=timeout_s):
+            t1 = time.perf_counter()
+            self.control.mark_writing(slot)
+            self.layout.pack(self.slot(slot), state_dict)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.control.mark_written(slot, version)
+        t2 = time.perf_counter()
+        return PublishStats(int(version), slot, self.layout.nbytes, t1 - t0, t2 - t1)
+
+    @property
+    def latest(self) -> int | None:
+        return self.control.latest
+
+    def close(self) -> None:
+        """Remove the control block (and the CPU buffer's file). Receivers must be done with the handle."""
+        self.control.close(unlink=True)
+        if self.device.type != "cuda":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._shm_path)
+
+
+class WeightLoader(Protocol):
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+
+
+class CudaIpcReceiver:
+    """Generator side: opens the handle once (one IPC open), builds the name -> view maps of every slot once."""
+
+    def __init__(self, handle: CudaIpcHandle) -> None:
+        self.handle, self.layout = handle, handle.layout
+        kind = handle.buffer[0]
+        if kind == "shm":
+            _, path, size = handle.buffer
+            self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        else:
+            rebuild, args = handle.buffer
+            self.buffer = rebuild(*args)  # cudaIpcOpenMemHandle, once
+        self.device = self.buffer.device
+        self.control = VersionControl(handle.control_path, handle.num_slots, create=False)
+        n = self.layout.nbytes
+        self._views = [self.layout.views(self.buffer[i * n : (i + 1) * n]) for i in range(handle.num_slots)]
+
+    @property
+    def latest(self) -> int | None:
+        return self.control.latest
+
+    @contextlib.contextmanager
+    def read(self, version: int | None = None, *, timeout_s: float = 60.0) -> Iterator[tuple[int, dict]]:
+        """`(version, {name: view})` of a complete version (`None`: the latest), held (the writer cannot
+        overwrite it) until the block exits. Copy out of the views inside the block; the device is
+        synchronised before the slot is released, so asynchronous copies are safe."""
+        want = self.control.latest if version is None else int(version)
+        if want is None:
+            raise WeightVersionUnavailable("no weights were published yet")
+        slot = self.control.find(want)
+        if slot is None:
+            raise WeightVersionUnavailable(self._missing(want))
+        with self.control.locked(slot, exclusive=False, timeout_s=timeout_s):
+            if self.control.slot_version(slot) != want:  # overwritten between find() and the lock
+                raise WeightVersionUnavailable(self._missing(want))
+            try:
+                yield want, self._views[slot]
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+
+    def load_into(self, engine: WeightLoader, version: int | None = None, *, timeout_s: float = 60.0) -> int:
+        """`engine.load_weights(views)` (HFEngine, VLLMEngine, ...) for `version`; returns the version loaded."""
+        with self.read(version, timeout_s=timeout_s) as (v, views):
+            engine.load_weights(views)
+        return v
+
+    def _missing(self, version: int) -> str:
+        held = sorted(v for v in (self.control.slot_version(s) for s in range(self.control.num_slots)) if v >= 0)
+        return (
+            f"weights version {version} are not in the shared buffer (it holds {held or 'none'}): not published "
+            f"yet, or overwritten by {self.control.num_slots} newer versions"
+        )
+
+    def close(self) -> None:
+        self.control.close()
+        self._views = []
+        self.buffer = None  # drops the IPC mapping once the last view is gone
+
+
+__all__ = [
+    "ALIGN",
+    "CudaIpcHandle",
+    "CudaIpcReceiver",
+    "CudaIpcSender",
+    "FlatLayout",
+    "PublishStats",
+    "TensorSpec",
+    "VersionControl",
+    "WeightVersionUnavailable",
+    "choose_transport",
+    "device_identity",
+]

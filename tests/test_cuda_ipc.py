@@ -1,0 +1,222 @@
+"""Same-GPU weight sync (meshrl.weight_sync.cuda_ipc). On CPU: the flat layout (pack / views / unpack),
+`choose_transport`, the version and slot rules, and the whole publish/read protocol over the CPU backing (a
+/dev/shm file instead of a CUDA IPC handle), in one process and across two. Tests named `*_gpu` need CUDA."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from meshrl.weight_sync.cuda_ipc import (
+    ALIGN,
+    CudaIpcReceiver,
+    CudaIpcSender,
+    FlatLayout,
+    VersionControl,
+    WeightVersionUnavailable,
+    choose_transport,
+)
+
+torch.set_num_threads(1)
+
+
+def _state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(13, 8, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g),
+        "model.norm.weight": torch.randn(3, generator=g),  # 12 bytes in bf16: forces alignment padding
+        "step": torch.tensor([7, 8], dtype=torch.int64),  # not floating point: keeps its dtype
+    }
+
+
+# ---- layout ---------------------------------------------------------------------------------------------------
+
+
+def test_layout_offsets_dtypes_and_roundtrip():
+    sd = _state_dict()
+    layout = FlatLayout.of(sd, torch.bfloat16)
+    assert layout.names == list(sd)
+    assert [s.dtype for s in layout.specs] == ["bfloat16", "bfloat16", "bfloat16", "int64"]
+    assert all(s.offset % ALIGN == 0 for s in layout.specs)
+    assert [s.nbytes for s in layout.specs] == [13 * 8 * 2, 64 * 2, 3 * 2, 16]
+    for a, b in zip(layout.specs, layout.specs[1:], strict=False):  # no overlap
+        assert a.offset + a.nbytes <= b.offset
+    assert layout.nbytes % ALIGN == 0 and layout.nbytes >= layout.specs[-1].offset + layout.specs[-1].nbytes
+
+    slot = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(slot, sd)
+    out = layout.unpack(slot)
+    for name, t in sd.items():
+        expect = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert out[name].dtype == expect.dtype
+        assert torch.equal(out[name], expect), name
+    views = layout.views(slot)  # views alias the buffer: a later pack shows through without re-mapping
+    layout.pack(slot, _state_dict(seed=1))
+    assert torch.equal(views["model.norm.weight"], _state_dict(seed=1)["model.norm.weight"].to(torch.bfloat16))
+    assert pickle.loads(pickle.dumps(layout)) == layout
+
+
+def test_layout_rejects_other_models_and_bad_slots():
+    sd = _state_dict()
+    layout = FlatLayout.of(sd)
+    slot = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="missing"):
+        layout.pack(slot, {k: v for k, v in sd.items() if k != "step"})
+    with pytest.raises(ValueError, match="shape"):
+        layout.pack(slot, {**sd, "model.norm.weight": torch.zeros(4)})
+    with pytest.raises(ValueError, match="uint8"):
+        layout.views(torch.zeros(layout.nbytes // 4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="empty"):
+        FlatLayout.of({})
+
+
+# ---- transport choice -----------------------------------------------------------------------------------------
+
+
+def test_choose_transport():
+    a, b = "cuda:GPU-aaaa@host1", "cuda:GPU-bbbb@host1"
+    assert choose_transport(a, a) == "cuda_ipc"
+    assert choose_transport(a, b) == "torchstore"  # two GPUs of one host
+    assert choose_transport(a, "cuda:GPU-aaaa@host2") == "torchstore"  # same UUID string, other host
+    assert choose_transport("cpu@host1", "cpu@host1") == "torchstore"  # IPC is for GPUs
+    assert choose_transport("cpu", "cpu") == "torchstore"  # plain devices resolve in this process
+    assert choose_transport(torch.device("cpu"), a) == "torchstore"
+
+
+# ---- versions and slots ---------------------------------------------------------------------------------------
+
+
+def test_version_rules(tmp_path):
+    vc = VersionControl(str(tmp_path / "ctl"), 2, create=True)
+    assert vc.latest is None and vc.find(0) is None
+    s0 = vc.slot_for_write(0)
+    vc.mark_writing(s0)
+    assert vc.find(0) is None  # a slot being written is never found
+    vc.mark_written(s0, 0)
+    assert vc.latest == 0 and vc.find(0) == s0
+    s1 = vc.slot_for_write(1)
+    assert s1 != s0  # never overwrite the latest version
+    vc.mark_written(s1, 1)
+    assert vc.slot_for_write(2) == s0  # the oldest goes
+    for bad in (1, 0, -1, 1.5):
+        with pytest.raises(ValueError):
+            vc.slot_for_write(bad)
+    other = VersionControl(str(tmp_path / "ctl"), 2, create=False)  # a second opener sees the same state
+    assert other.latest == 1 and other.find(0) == s0
+    single = VersionControl(str(tmp_path / "ctl1"), 1, create=True)
+    single.mark_written(single.slot_for_write(3), 3)
+    assert single.slot_for_write(4) == 0
+    with pytest.raises(ValueError, match="not a meshrl"):
+        (tmp_path / "junk").write_bytes(b"\0" * 64)
+        VersionControl(str(tmp_path / "junk"), 2, create=False)
+
+
+def test_publish_read_protocol_cpu_backing():
+    sender = CudaIpcSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.bfloat16)
+    try:
+        rx = CudaIpcReceiver(pickle.loads(pickle.dumps(sender.handle())))
+        with pytest.raises(WeightVersionUnavailable, match="no weights"):
+            with rx.read():
+                pass
+        for v in (1, 2):
+            sender.publish(_state_dict(v), v)
+        assert rx.latest == 2
+        for v in (1, 2):  # double buffering: the previous version is still whole
+            with rx.read(v) as (got, views):
+                assert got == v
+                assert torch.equal(
+                    views["model.embed_tokens.weight"], _state_dict(v)["model.embed_tokens.weight"].bfloat16()
+                )
+        with rx.read(2) as (_, views):  # a reader holds v2's slot: the writer may use the other one ...
+            sender.publish(_state_dict(3), 3)
+            with pytest.raises(TimeoutError, match="reader"):  # ... but not overwrite the one being read
+                sender.publish(_state_dict(4), 4, timeout_s=0.05)
+            assert torch.equal(views["model.norm.weight"], _state_dict(2)["model.norm.weight"].bfloat16())
+        with pytest.raises(WeightVersionUnavailable, match="overwritten"):
+            with rx.read(1):  # v3 went into v1's slot
+                pass
+        assert sender.publish(_state_dict(4), 4).version == 4  # the failed publish left nothing half-done
+        with rx.read() as (got, views):
+            assert got == 4 and torch.equal(views["step"], _state_dict()["step"])
+        with pytest.raises(ValueError, match="rise"):
+            sender.publish(_state_dict(4), 4)
+        rx.close()
+    finally:
+        sender.close()
+
+
+def test_load_into_hf_engine(base_model_dir):
+    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.models.qwen3 import load_hf_state_dict
+
+    engine = HFEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
+    base = load_hf_state_dict(base_model_dir)
+    new = {k: v + 0.5 for k, v in base.items()}
+    sender = CudaIpcSender.for_state_dict(new, "cpu", dtype=torch.float32)
+    try:
+        sender.publish(new, 5)
+        rx = CudaIpcReceiver(sender.handle())
+        assert rx.load_into(engine, 5) == 5
+        params = engine.model.state_dict()
+        for k, v in new.items():
+            assert torch.equal(params[k], v), k
+        rx.close()
+    finally:
+        sender.close()
+        engine.shutdown()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import pickle, sys, torch
+    from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+    rx = CudaIpcReceiver(pickle.loads(sys.stdin.buffer.read()))
+    with rx.read() as (v, views):
+        print(v, float(sum(t.double().sum() for t in views.values())), views["model.norm.weight"].device)
+    """
+)
+
+
+def _child_reads(handle) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], input=pickle.dumps(handle), capture_output=True, timeout=120, check=True
+    )
+    return out.stdout.decode().split()
+
+
+def _checksum(sd, dtype) -> float:
+    return float(sum((t.to(dtype) if t.is_floating_point() else t).double().sum() for t in sd.values()))
+
+
+def test_another_process_reads_the_published_version_cpu_backing():
+    sd = _state_dict(3)
+    sender = CudaIpcSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
+    try:
+        sender.publish(sd, 9)
+        version, total, device = _child_reads(sender.handle())
+        assert int(version) == 9 and device == "cpu"
+        assert float(total) == pytest.approx(_checksum(sd, torch.bfloat16), rel=1e-12)
+    finally:
+        sender.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_another_process_reads_through_cuda_ipc_gpu():
+    sd = {k: v.cuda() for k, v in _state_dict(4).items()}
+    sender = CudaIpcSender.for_state_dict(sd, "cuda", dtype=torch.bfloat16)
+    try:
+        sender.publish(sd, 1)
+        sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
+        sender.publish(sd2, 2)
+        version, total, device = _child_reads(sender.handle())
+        assert int(version) == 2 and device.startswith("cuda")
+        assert float(total) == pytest.approx(_checksum(sd2, torch.bfloat16), rel=1e-12)
+        assert choose_transport("cuda", "cuda") == "cuda_ipc"
+    finally:
+        sender.close()
