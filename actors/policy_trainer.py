@@ -41,6 +41,7 @@ class PolicyTrainer(Actor):
             pad_id=self.pad_id,
             backend=self.model_cfg.backend,
             backend_options=self.model_cfg.backend_options(),
+            **self.trainer_cfg.policy_options(),  # speed levers
         )
         return self._info()
 

@@ -30,6 +30,7 @@ class ReferenceModel(Actor):
             pad_id=self.pad_id,
             backend=self.model_cfg.backend,
             backend_options=self.model_cfg.backend_options(),
+            **self.trainer_cfg.policy_options(),  # speed levers
         )
         for p in self.policy.model.parameters():
             p.requires_grad_(False)

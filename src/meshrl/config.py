@@ -81,10 +81,31 @@ class TrainerConfig:
     """Sequences per `forward_backward` call, summed over all trainer ranks."""
     num_threads: int = 1
     """torch threads per trainer process (CPU); the cores are shared by every process."""
+    logprob_chunk_size: int = 0
+    """Speed lever: > 0 computes the target logprobs from the final hidden states this many tokens at a time
+    (chunked linear + log-softmax), so the full [B, T, V] float32 logits never exist; 0: full logits. Same
+    values to float32 rounding. 2048-8192 suits a 151k vocabulary."""
+    compile: bool = False
+    """Speed lever: torch.compile each decoder block (first step pays the compile time; needs a GPU or a C++
+    compiler)."""
+    activation_checkpointing: bool = False
+    """Speed/memory lever: recompute each decoder block in backward instead of keeping its activations."""
+
+    def policy_options(self) -> dict:
+        """The speed levers as keyword arguments of `meshrl.policy.Policy`."""
+        return {
+            "logprob_chunk_size": self.logprob_chunk_size,
+            "compile": self.compile,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
 
     def __post_init__(self) -> None:
         if self.num_procs < 1:
             raise ConfigError(f"trainer.num_procs={self.num_procs} must be >= 1")
+        if self.logprob_chunk_size < 0:
+            raise ConfigError(
+                f"trainer.logprob_chunk_size={self.logprob_chunk_size} must be >= 0 (0 computes the full logits)"
+            )
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.micro_batch_size % self.num_procs:

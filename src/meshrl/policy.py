@@ -14,14 +14,19 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
+from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
 from meshrl.models.titan_backend import TorchtitanBackend, full_tensor
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
+
+if TYPE_CHECKING:
+    from meshrl.weight_sync.cuda_ipc import CudaIpcHandle
 
 
 def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch.Tensor, LossBatch]:
@@ -65,14 +70,6 @@ def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor |
     return out.to(device)
 
 
-def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens[:, i+1] | tokens[:, :i+1]) in float32, shape [B, L-1]."""
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-
-
 class Policy:
     """Model, optimiser and version counter of one trainer rank (FSDP2 over all ranks of the default group)."""
 
@@ -86,13 +83,22 @@ class Policy:
         pad_id: int = 0,
         backend: str = "torchtitan",
         backend_options: dict | None = None,
+        compile: bool = False,
+        activation_checkpointing: bool = False,
+        logprob_chunk_size: int = 0,
     ) -> None:
+        """`compile`, `activation_checkpointing`, `logprob_chunk_size`: the trainer speed levers (TrainerConfig),
+        applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
+        levers = dict(
+            compile=compile, activation_checkpointing=activation_checkpointing, logprob_chunk_size=logprob_chunk_size
+        )
+        backend_options = {**levers, **(backend_options or {})}
         if backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
             from meshrl.models.hf_backend import HFBackend
 
@@ -101,7 +107,7 @@ class Policy:
                 device=self.device,
                 attn_backend=attn_backend,
                 param_dtype=param_dtype,
-                **(backend_options or {}),
+                **backend_options,
             )
         elif backend == "torchtitan":
             self.backend = TorchtitanBackend(
@@ -109,7 +115,7 @@ class Policy:
                 device=self.device,
                 attn_backend=attn_backend,
                 param_dtype=param_dtype,
-                **(backend_options or {}),
+                **backend_options,
             )
         else:
             raise ValueError(f"model backend {backend!r}; use 'torchtitan' or 'hf'")
@@ -142,10 +148,10 @@ class Policy:
 
     def _logprobs(self, tokens: torch.Tensor, temperature: float, positions: torch.Tensor | None) -> torch.Tensor:
         if positions is None:
-            return target_logprobs(self.backend.logits(tokens), tokens, temperature)
+            return self.backend.target_logprobs(tokens, temperature)
         if not getattr(self.backend, "supports_packing", False):
             raise ValueError(f"packed rows (Datum.positions) are not supported by the {self.backend.name!r} backend")
-        return target_logprobs(self.backend.logits(tokens, positions), tokens, temperature)
+        return self.backend.target_logprobs(tokens, temperature, positions)
 
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
         check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
@@ -235,6 +241,21 @@ class Policy:
         hf = self.backend.hf_state_dict()
         return {k: (v.to(dtype) if dtype is not None else v).detach() for k, v in hf.items()}
 
+    def publish_weights_ipc(self, version: int, dtype: torch.dtype) -> CudaIpcHandle | None:
+        """Same-GPU weight sync (`meshrl.weight_sync.cuda_ipc`). Collective (the full weights are gathered);
+        rank 0 copies them, cast to `dtype`, into its shared flat buffer (allocated on the first call) and
+        publishes `version`. Returns the handle on rank 0 (send it to the generator once), None elsewhere."""
+        from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+
+        hf = self.backend.hf_state_dict(snapshot=False)  # copied into the buffer right away
+        if self.rank != 0:
+            return None
+        sender = getattr(self, "_ipc_sender", None)
+        if sender is None:
+            sender = self._ipc_sender = CudaIpcSender.for_state_dict(hf, self.device, dtype=dtype)
+        sender.publish(hf, version)
+        return sender.handle()
+
     def save_hf(self, path: str, dtype: torch.dtype | None = None) -> str | None:
         """Collective; rank 0 writes atomically (temp dir + rename). Returns the path on rank 0."""
         hf = self.hf_state_dict(dtype)
@@ -252,7 +273,10 @@ class Policy:
             param.grad = None
         # Only trainable weights (with LoRA: the adapters) are in the optimiser.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)
+        # Fused AdamW on GPU (one kernel for all tensors; supports FSDP2's DTensors); foreach on CPU, whose
+        # results the CPU tests compare bitwise across runs.
+        impl = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(trainable, lr=0.0, **impl)
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
 

@@ -22,13 +22,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
+from meshrl.models.logprobs import LogprobHead, target_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full_tensor(t: torch.Tensor, *, snapshot: bool = True) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) DTensor. `snapshot=False` allows returning the live parameter
+    itself when one rank holds all of it (no all-gather copy): valid only until the next optimiser step."""
+    if not isinstance(t, DTensor):
+        return t
+    if not snapshot and t.device_mesh.size() == 1:
+        return t.to_local()
+    return t.full_tensor()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,7 +81,11 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 class HFBackend:
     """A transformers causal LM under FSDP2. `lora`: None, or a dict of `peft.LoraConfig` fields (then only
-    the adapters train, and `hf_state_dict()` returns the merged weights under the base model's names)."""
+    the adapters train, and `hf_state_dict()` returns the merged weights under the base model's names).
+
+    Speed levers (all off by default): `activation_checkpointing` (each decoder layer is recomputed in backward),
+    `compile` (each decoder layer's forward goes through torch.compile), `logprob_chunk_size` (> 0: target
+    logprobs through `meshrl.models.logprobs.chunked_linear_logprobs`, never the full float32 logits)."""
 
     name = "hf"
 
@@ -88,6 +99,7 @@ class HFBackend:
         lora: dict[str, Any] | None = None,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        logprob_chunk_size: int = 0,
         seed: int = 0,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -122,6 +134,10 @@ class HFBackend:
         self.model.to_empty(device=self.device)
         init_non_persistent_buffers(self.base_model)
         self._aliases = {self._hf_name(a): self._hf_name(c) for a, c in tied_aliases(self.model).items()}
+        if logprob_chunk_size < 0:
+            raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
+        head = self.base_model.get_output_embeddings()
+        self.logprob_head = LogprobHead(head, logprob_chunk_size) if logprob_chunk_size else None
 
     # ---- build ----------------------------------------------------------------------------------------------
     def _shard(self, param_dtype: torch.dtype, activation_checkpointing: bool, compile: bool) -> None:
@@ -170,6 +186,13 @@ class HFBackend:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, use_cache=False).logits
 
+    def target_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0."""
+        if self.logprob_head is None:
+            return target_logprobs(self.logits(tokens), tokens, temperature)
+        with self.logprob_head.armed(tokens, temperature):
+            return self.model(input_ids=tokens, use_cache=False).logits  # the head returned logprobs
+
     # ---- names: our module's state-dict names <-> the HF checkpoint's names ---------------------------------
     @staticmethod
     def _hf_name(name: str) -> str:
@@ -183,10 +206,11 @@ class HFBackend:
         return self.lora_config is not None and (".lora_" in name or "modules_to_save" in name)
 
     # ---- weights out ----------------------------------------------------------------------------------------
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, *, snapshot: bool = True) -> dict[str, torch.Tensor]:
         """Full weights under the checkpoint's names (tied aliases left out, as `save_pretrained` does).
-        With LoRA the adapters are merged in: W + scaling · B @ A. Collective: every rank must call it."""
-        sd = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+        With LoRA the adapters are merged in: W + scaling · B @ A. Collective: every rank must call it.
+        `snapshot=False`: on one rank, the live parameters themselves (copy them before the next step)."""
+        sd = {k: full_tensor(v, snapshot=snapshot) for k, v in self.model.state_dict().items()}
         out: dict[str, torch.Tensor] = {}
         for name, t in sd.items():
             if self._is_adapter(name):

@@ -15,10 +15,17 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
+from meshrl.models.logprobs import LogprobHead, target_logprobs
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full_tensor(t: torch.Tensor, *, snapshot: bool = True) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) DTensor. `snapshot=False` allows returning the live parameter
+    itself when one rank holds all of it (no all-gather copy): valid only until the next optimiser step."""
+    if not isinstance(t, DTensor):
+        return t
+    if not snapshot and t.device_mesh.size() == 1:
+        return t.to_local()
+    return t.full_tensor()
 
 
 def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], *, source: str) -> None:
@@ -61,6 +68,10 @@ class DocumentMaskedSDPA(torch.nn.Module):
 
 
 class TorchtitanBackend:
+    """torchtitan Qwen3 under torchtitan's parallelize. Speed levers (off by default): `activation_checkpointing`
+    (torchtitan's full AC per block), `compile` (torchtitan's per-block torch.compile), `logprob_chunk_size`
+    (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`)."""
+
     name = "torchtitan"
     supports_packing = True
 
@@ -71,19 +82,27 @@ class TorchtitanBackend:
         device: torch.device,
         attn_backend: str = "sdpa",
         param_dtype: str = "float32",
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        logprob_chunk_size: int = 0,
     ) -> None:
+        if logprob_chunk_size < 0:
+            raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
         self.device, self.attn_backend = device, attn_backend
+        self.activation_checkpointing, self.compile = activation_checkpointing, compile
         self.hf_config = qwen3.read_hf_config(model_dir)
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
         self.max_seq_len = int(self.hf_config["max_position_embeddings"])
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.model = self._build_fsdp_model(param_dtype)
+        self.logprob_head = LogprobHead(self.model.lm_head, logprob_chunk_size) if logprob_chunk_size else None
 
     def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
         import torchtitan.distributed.parallel_dims as parallel_dims_mod
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.activation_checkpoint import FullAC
         from torchtitan.models.qwen3 import parallelize_qwen3
 
         if self.device.type == "cpu":
@@ -101,8 +120,8 @@ class TorchtitanBackend:
             parallel_dims=parallel_dims,
             training=TrainingConfig(mixed_precision_param=param_dtype),
             parallelism=parallelism,
-            compile_config=CompileConfig(enable=False),
-            ac_config=None,
+            compile_config=CompileConfig(enable=self.compile, components=["model"]),
+            ac_config=FullAC.Config() if self.activation_checkpointing else None,
             dump_folder=os.devnull,
         )
         for m in model.modules():
@@ -126,9 +145,19 @@ class TorchtitanBackend:
             masks = self.model.get_attention_masks(positions)
         return self.model(tokens, positions=positions, attention_masks=masks)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights under HF names. Collective: every rank must call it."""
-        full = {k: full_tensor(v) for k, v in self.model.state_dict().items()}
+    def target_logprobs(
+        self, tokens: torch.Tensor, temperature: float = 1.0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0."""
+        if self.logprob_head is None:
+            return target_logprobs(self.logits(tokens, positions), tokens, temperature)
+        with self.logprob_head.armed(tokens, temperature):
+            return self.logits(tokens, positions)  # the head returned logprobs
+
+    def hf_state_dict(self, *, snapshot: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights under HF names. Collective: every rank must call it. `snapshot=False`: on one rank, the
+        live parameters themselves (copy them before the next step)."""
+        full = {k: full_tensor(v, snapshot=snapshot) for k, v in self.model.state_dict().items()}
         return qwen3.titan_to_hf(full, self.titan_config)
 
     def load_hf(self, path: str) -> None:

@@ -1,0 +1,159 @@
+"""Per-token target logprobs from a causal LM, plain or chunked (linear + log-softmax fused chunk by chunk).
+
+Why chunked: the plain path materialises `[B, T, V]` logits in the compute dtype, then a float32 copy, then the
+float32 log-softmax (saved for backward) — for a 151k vocabulary at batch 8 x 2048 that is ~5 + 10 + 10 GB.
+`chunked_linear_logprobs` computes `log p(target)` from the final hidden states `chunk_size` tokens at a time:
+forward keeps only the per-token logsumexp (`[N]` float32) and backward recomputes each chunk's logits, so at
+most one chunk of float32 logits exists at any time. The math per token is the same as the plain path
+(logits in the weight dtype, upcast to float32, divided by the temperature, log-softmax), so the two agree to
+float32 rounding.
+
+How it reaches the model: `LogprobHead` replaces the `forward` of the model's output projection (the instance
+attribute, so parameter names and FSDP's hooks are untouched). While armed with the targets, the model's own
+forward returns target logprobs instead of logits — computed inside the root module's forward, where FSDP has
+the projection weight unsharded, so its gradient flows back through FSDP as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) in float32, shape [B, L-1] (the plain, full-logits path)."""
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    logits = F.linear(h, weight, bias).float()  # the projection in the weight dtype, as the plain path
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, out_shape):  # noqa: D102
+        n = hidden.shape[0]
+        # Allocated in its final shape (not a view of a flat result): FSDP warns about views returned from a
+        # root module's forward, since in-place ops on them would bypass its pre-backward hook.
+        result = torch.empty(out_shape, dtype=torch.float32, device=hidden.device)
+        out = result.view(-1)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)
+            lse_c = torch.logsumexp(logits, dim=-1)
+            out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0] - lse_c
+            lse[s : s + chunk_size] = lse_c
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        t, c = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # Weight/bias gradients summed over chunks in float32 (one rounding to the weight dtype at the end).
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grad_out = grad_out.reshape(-1).float()
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]
+            g_out = grad_out[s : s + c]
+            # d log p(y) / d logits = onehot(y) - softmax, scaled by 1/temperature; built in place.
+            g = _chunk_logits(h, weight, bias, t)
+            g.sub_(lse[s : s + c, None]).exp_().mul_(-g_out[:, None])
+            g.scatter_add_(1, targets[s : s + c, None], g_out[:, None])
+            if t != 1.0:
+                g.div_(t)
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            g = g.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s : s + c] = g @ weight
+            if grad_w is not None:
+                grad_w += (g.t() @ h).float()
+            del g
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T + bias)[target] in float32, `chunk_size` tokens at a time.
+
+    hidden `[..., H]`, targets `[...]` (same leading shape); returns `[...]`. Differentiable in hidden, weight
+    and bias; at most one chunk of float32 logits exists at a time, in forward and in backward."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
+    lead = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).to(torch.long)
+    return _ChunkedLinearLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_size), lead)
+
+
+class LogprobHead:
+    """Makes a model's output projection return target logprobs while armed (see the module docstring).
+
+    Disarmed, the projection is the plain linear layer (logits), so `model(tokens).logits` still works."""
+
+    def __init__(self, linear: nn.Module, chunk_size: int) -> None:
+        if not hasattr(linear, "weight"):
+            raise TypeError(f"{type(linear).__name__} has no weight: not a linear output projection")
+        self.linear, self.chunk_size = linear, int(chunk_size)
+        self._targets: torch.Tensor | None = None
+        self._temperature = 1.0
+        plain = linear.forward
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            if self._targets is None:
+                return plain(hidden)
+            # hidden [B, L, H] for every position; position i predicts targets[:, i] = tokens[:, i + 1].
+            return chunked_linear_logprobs(
+                hidden[:, :-1],
+                linear.weight,
+                getattr(linear, "bias", None),
+                self._targets,
+                temperature=self._temperature,
+                chunk_size=self.chunk_size,
+            )
+
+        linear.forward = forward
+
+    @contextlib.contextmanager
+    def armed(self, tokens: torch.Tensor, temperature: float) -> Iterator[None]:
+        self._targets, self._temperature = tokens[:, 1:], float(temperature)
+        try:
+            yield
+        finally:
+            self._targets, self._temperature = None, 1.0
+
+
+__all__ = ["LogprobHead", "chunked_linear_logprobs", "target_logprobs"]

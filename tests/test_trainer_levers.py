@@ -1,0 +1,125 @@
+"""Trainer speed levers against the plain path, at library level (a 1-process gloo group, no Monarch):
+chunked linear logprobs (values and gradients, alone and through both backends) and activation checkpointing
+give the same logprobs and gradients as the full-logits, no-recompute path, to float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import random_data
+
+from meshrl.config import ConfigError, TrainerConfig
+from meshrl.models.logprobs import chunked_linear_logprobs, target_logprobs
+from meshrl.types import LossSpec
+
+torch.set_num_threads(1)
+ATOL = 2e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_linear_logprobs_equals_full_logits(temperature, chunk):
+    g = torch.Generator().manual_seed(0)
+    B, L, H, V = 3, 7, 16, 29
+    hidden = torch.randn(B, L, H, generator=g, dtype=torch.float64).float().requires_grad_()
+    weight = torch.randn(V, H, generator=g).requires_grad_()
+    bias = torch.randn(V, generator=g).requires_grad_()
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    upstream = torch.randn(B, L - 1, generator=g)
+
+    want = target_logprobs(torch.nn.functional.linear(hidden, weight, bias), tokens, temperature)
+    (want * upstream).sum().backward()
+    want_grads = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+
+    got = chunked_linear_logprobs(
+        hidden[:, :-1], weight, bias, tokens[:, 1:], temperature=temperature, chunk_size=chunk
+    )
+    (got * upstream).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=ATOL)  # float32 rounding of logsumexp vs log_softmax
+    for name, t, w in zip(("hidden", "weight", "bias"), (hidden, weight, bias), want_grads, strict=True):
+        torch.testing.assert_close(t.grad, w, rtol=1e-5, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_chunked_linear_logprobs_no_bias_bf16_weight():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 9, 32, generator=g).bfloat16()
+    weight = torch.randn(50, 32, generator=g).bfloat16()
+    tokens = torch.randint(0, 50, (2, 9), generator=g)
+    want = target_logprobs(hidden @ weight.t(), tokens)  # bf16 logits upcast, as the models' heads
+    got = chunked_linear_logprobs(hidden[:, :-1], weight, None, tokens[:, 1:], chunk_size=4)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_linear_logprobs(hidden[:, :-1], weight, None, tokens[:, 1:], chunk_size=0)
+
+
+def test_trainer_config_levers():
+    cfg = TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=512, activation_checkpointing=True)
+    assert cfg.policy_options() == {"logprob_chunk_size": 512, "compile": False, "activation_checkpointing": True}
+    with pytest.raises(ConfigError, match="logprob_chunk_size"):
+        TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)
+
+
+# ---- through Policy and both backends ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _run(model_dir: str, backend: str, **levers):
+    """Logprobs of `forward`, and the gradients one `forward_backward` leaves, of a fresh Policy."""
+    from meshrl.policy import Policy
+
+    p = Policy(model_dir, backend=backend, **levers)
+    data = random_data(4, seed=3)
+    fwd = p.forward(data, temperature=0.8)
+    spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data), temperature=0.8)
+    fb = p.forward_backward(data, spec)
+    grads = {  # AC's wrapper renames parameters (not state-dict keys): compare under the plain names
+        n.replace("._checkpoint_wrapped_module", ""): q.grad.full_tensor().clone()
+        for n, q in p.model.named_parameters()
+        if q.grad is not None
+    }
+    return fwd, fb, grads
+
+
+@pytest.mark.parametrize("backend", ["hf", "torchtitan"])
+def test_levers_match_the_plain_path(one_rank_group, base_model_dir, backend):
+    base_fwd, base_fb, base_grads = _run(base_model_dir, backend)
+    assert base_grads
+    for levers in (
+        {"logprob_chunk_size": 5},
+        {"activation_checkpointing": True},
+        {"logprob_chunk_size": 3, "activation_checkpointing": True},
+    ):
+        fwd, fb, grads = _run(base_model_dir, backend, **levers)
+        torch.testing.assert_close(torch.tensor(sum(fwd, [])), torch.tensor(sum(base_fwd, [])), rtol=0, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(sum(fb.logprobs, [])), torch.tensor(sum(base_fb.logprobs, [])), rtol=0, atol=ATOL
+        )
+        assert fb.loss == pytest.approx(base_fb.loss, abs=1e-6)
+        assert grads.keys() == base_grads.keys(), levers
+        for name, grad in grads.items():
+            torch.testing.assert_close(
+                grad, base_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, lv=levers, n=name: f"{lv} {n}: {m}"
+            )
+
+
+def test_chunked_head_keeps_plain_logits_and_names(one_rank_group, base_model_dir):
+    from meshrl.policy import Policy
+
+    plain, chunked = Policy(base_model_dir, backend="hf"), Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
+    tokens = torch.tensor([[1, 5, 6, 7, 2]])
+    # Disarmed, the patched head is the plain projection; parameter names (checkpoints, weight sync) unchanged.
+    torch.testing.assert_close(chunked.backend.logits(tokens), plain.backend.logits(tokens), rtol=0, atol=0)
+    assert list(chunked.hf_state_dict()) == list(plain.hf_state_dict())
