@@ -27,18 +27,30 @@ class Generator(Actor):
 
     @endpoint
     async def setup(self) -> dict:
-        from meshrl.generation.vllm_engine import VLLMEngine
-
         c = self.cfg
-        self.engine = VLLMEngine(
-            self.model_dir,
-            dtype=c.dtype,
-            max_model_len=c.max_model_len,
-            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            seed=self.seed,
-        )
-        return {"policy_version": self.policy_version, "max_model_len": self.engine.max_model_len}
+        if c.engine == "transformers":  # no vLLM needed: machines without it, any transformers causal LM
+            from meshrl.generation.hf_engine import HFEngine
+
+            self.engine = HFEngine(
+                self.model_dir,
+                dtype=c.dtype,
+                max_model_len=c.max_model_len,
+                max_num_seqs=c.max_num_seqs,
+                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+                seed=self.seed,
+            )
+        else:
+            from meshrl.generation.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                self.model_dir,
+                dtype=c.dtype,
+                max_model_len=c.max_model_len,
+                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+                gpu_memory_utilization=c.gpu_memory_utilization,
+                seed=self.seed,
+            )
+        return {"policy_version": self.policy_version, "max_model_len": self.engine.max_model_len, "engine": c.engine}
 
     @endpoint
     async def generate(

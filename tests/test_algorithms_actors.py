@@ -36,8 +36,12 @@ def test_first_step_is_on_policy_ratio_one_and_nothing_clipped(ctl, tokenizer, b
     res = ctl.forward_backward(data, spec).result()
     n_tok = sum(d.num_loss_tokens for d in data)
     # The trainer's logprobs of the sampled tokens equal the generator's: log-ratio ~ 0 on every token.
-    pairs = [(t, o) for d, lp in zip(data, res.logprobs, strict=True) for t, o in zip(lp, d.old_logprobs, strict=True)]
-    diff = max(abs(t - o) for t, o in pairs)
+    diff = max(
+        abs(t - o)
+        for d, lp in zip(data, res.logprobs, strict=True)
+        for t, o, m in zip(lp, d.old_logprobs, d.loss_mask, strict=True)
+        if m
+    )
     assert diff < 1e-4
     assert res.metrics["ratio"] / n_tok == pytest.approx(1.0, abs=1e-4)
     assert res.metrics["clip_frac"] == 0.0
@@ -63,10 +67,9 @@ def test_reference_model_is_frozen_and_its_kl_term_matches_by_hand(ctl, tokenize
     # The KL term of forward_backward: kl_coef * k3(policy, reference) per loss token, summed in the metrics.
     spec = make_loss_spec("grpo", data, kl_coef=0.1, kl_estimator="k3")
     res = ctl.forward_backward(data, spec).result()
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     want = sum(
-        float(
-            kl_estimate(torch.tensor(lp, dtype=torch.float64), torch.tensor(d.ref_logprobs, dtype=torch.float64)).sum()
-        )
+        float((kl_estimate(f64(lp), f64(d.ref_logprobs)) * f64(d.loss_mask)).sum())
         for d, lp in zip(data, res.logprobs, strict=True)
     )
     assert want > 1e-6  # the step moved the policy away from the reference: the comparison is not vacuous

