@@ -19,7 +19,7 @@ from pathlib import Path
 # The flags that make each algorithm (meshrl.algorithms' docstring); everything else is the preset's.
 ALGORITHMS: dict[str, list[str]] = {
     "GRPO": [],
-    "DAPO": ["--grpo.clip-high", "0.28", "--grpo.dynamic-sampling", "True", "--grpo.overlong-buffer", "2"],
+    "DAPO": ["--grpo.clip-high", "0.28", "--grpo.dynamic-sampling", "--grpo.overlong-buffer", "2"],
     "Dr.GRPO": ["--grpo.advantage", "group_mean", "--grpo.aggregation", "token_sum_norm"],
     "GSPO": ["--grpo.loss", "gspo"],
     "CISPO": ["--grpo.loss", "cispo"],
@@ -60,7 +60,9 @@ def main() -> None:
             continue
         print(f"[bench] {name}: {' '.join(flags) or '(defaults)'}", flush=True)
         run_name = name.replace(".", "").lower()
-        info = run([*common, *start, *flags, "--run.name", run_name], out / f"{run_name}.log")
+        info = {}
+        if not (out / run_name / "summary.json").is_file():  # a finished run is kept (delete it to redo it)
+            info = run([*common, *start, *flags, "--run.name", run_name], out / f"{run_name}.log")
         summary = json.loads((out / run_name / "summary.json").read_text())
         rl = [json.loads(line) for line in (out / run_name / "metrics.jsonl").read_text().splitlines()]
         rl = [r for r in rl if r.get("phase") == "rl"]
@@ -75,7 +77,9 @@ def main() -> None:
         }
     (out / "algorithms.json").write_text(json.dumps({"steps": a.steps, "seed": a.seed, "results": results}, indent=2))
 
-    header = "| algorithm | flags | reward, first 5 steps | reward, last 5 steps | held-out exact match before → after |"
+    header = (
+        "| algorithm | flags | reward, first 5 steps | reward, last 5 steps | held-out exact match before → after |"
+    )
     lines = [header, "| --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         lines.append(
