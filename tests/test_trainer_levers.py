@@ -123,3 +123,53 @@ def test_chunked_head_keeps_plain_logits_and_names(one_rank_group, base_model_di
     # Disarmed, the patched head is the plain projection; parameter names (checkpoints, weight sync) unchanged.
     torch.testing.assert_close(chunked.backend.logits(tokens), plain.backend.logits(tokens), rtol=0, atol=0)
     assert list(chunked.hf_state_dict()) == list(plain.hf_state_dict())
+
+
+def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
+    """The per-chunk functions that the compile lever hands to torch.compile (run eagerly here: compiling
+    changes code generation, not the math)."""
+    import meshrl.models.logprobs as lp
+
+    monkeypatch.setattr(lp, "_compiled", lambda name: lp._fused_forward if name == "forward" else lp._fused_backward)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 11, 16, generator=g).requires_grad_()
+    weight = torch.randn(37, 16, generator=g).requires_grad_()
+    tokens = torch.randint(0, 37, (2, 11), generator=g)
+    outs = []
+    for fused in (False, True):
+        out = chunked_linear_logprobs(
+            hidden[:, :-1], weight, None, tokens[:, 1:], temperature=0.9, chunk_size=6, fused=fused
+        )
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append((out.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=ATOL)
+
+
+def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_dir):
+    """Policy -> shared buffer -> HFEngine, before and after an optimiser step (CPU backing of the buffer)."""
+    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.policy import Policy
+    from meshrl.types import OptimParams
+    from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+
+    p = Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
+    engine = HFEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
+    rx = None
+    try:
+        for version in (1, 2):
+            handle = p.publish_weights_ipc(version, torch.float32)
+            rx = rx or CudaIpcReceiver(handle)
+            assert rx.load_into(engine, version) == version
+            engine_sd = engine.model.state_dict()
+            for name, t in p.hf_state_dict().items():
+                assert torch.equal(engine_sd[name], t), (version, name)
+            data = random_data(2, seed=version)
+            p.forward_backward(data, LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
+            p.optim_step(OptimParams(lr=1e-2))
+    finally:
+        if rx is not None:
+            rx.close()
+        p._ipc_sender.close()
+        engine.shutdown()

@@ -202,6 +202,7 @@ class HFEngine:
         device: str | torch.device | None = None,
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
+        len_bucket_step: int = 256,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
@@ -266,7 +267,9 @@ class HFEngine:
         self.logits_buf = torch.zeros(slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.batch_buckets = _buckets(slots, (1, 2, 4, 8, 16, 24, 32, 48), 64 if slots > 64 else 16)
-        self.len_buckets = _buckets(self._max_model_len, (32, 64, 128, 256), 256)
+        # Decode attention reads the KV of [0, length bucket) for every row: finer buckets read less padding but
+        # capture more graphs (one per batch bucket x length bucket).
+        self.len_buckets = _buckets(self._max_model_len, (32, 64, 128, 256), int(len_bucket_step))
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self.graph_failures: list[str] = []
@@ -578,15 +581,24 @@ class HFEngine:
         captured CUDA graphs stay valid (same storage). `lm_head.weight` may be absent when tied."""
         if not state_dict:
             raise ValueError("load_weights got an empty state dict")
-        params = self.model.state_dict(keep_vars=True)
+        if not hasattr(self, "_params"):  # weights are updated in place: the same tensors for the engine's life
+            self._params = {k: v.data for k, v in self.model.state_dict(keep_vars=True).items()}
+        params = self._params
         unknown = [k for k in state_dict if k not in params]
         if unknown:
             raise KeyError(f"load_weights: {len(unknown)} names are not weights of this model, e.g. {unknown[:3]}")
+        same_dst, same_src = [], []
         for name, t in state_dict.items():
             p = params[name]
             if tuple(p.shape) != tuple(t.shape):
                 raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model {tuple(p.shape)}")
-            p.data.copy_(t.detach().to(device=p.device, dtype=p.dtype), non_blocking=True)
+            if t.device == p.device and t.dtype == p.dtype:
+                same_dst.append(p)
+                same_src.append(t.detach())
+            else:
+                p.copy_(t.detach().to(device=p.device, dtype=p.dtype), non_blocking=True)
+        if same_dst:  # e.g. views of a same-GPU trainer's buffer: a few multi-tensor copy kernels, not ~300
+            torch._foreach_copy_(same_dst, same_src, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

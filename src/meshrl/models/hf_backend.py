@@ -137,7 +137,7 @@ class HFBackend:
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
         head = self.base_model.get_output_embeddings()
-        self.logprob_head = LogprobHead(head, logprob_chunk_size) if logprob_chunk_size else None
+        self.logprob_head = LogprobHead(head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
 
     # ---- build ----------------------------------------------------------------------------------------------
     def _shard(self, param_dtype: torch.dtype, activation_checkpointing: bool, compile: bool) -> None:
@@ -147,9 +147,12 @@ class HFBackend:
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         layers = self._wrap_layers(decoder_layers(self.base_model), activation_checkpointing, compile)
+        # On one rank, resharding after forward frees only the compute-dtype copies and costs a second
+        # "all-gather" (cast + copy) per layer in backward: keep them.
+        reshard = dist.get_world_size() > 1
         for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(self.model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         for m in self.model.modules():
             if isinstance(m, FSDPModule):
                 # Sum (not average) gradients over ranks: each rank's loss is already divided by the global
@@ -210,6 +213,8 @@ class HFBackend:
         """Full weights under the checkpoint's names (tied aliases left out, as `save_pretrained` does).
         With LoRA the adapters are merged in: W + scaling · B @ A. Collective: every rank must call it.
         `snapshot=False`: on one rank, the live parameters themselves (copy them before the next step)."""
+        if not snapshot and self.lora_config is None and dist.get_world_size() == 1:
+            return self._live_state_dict()
         sd = {k: full_tensor(v, snapshot=snapshot) for k, v in self.model.state_dict().items()}
         out: dict[str, torch.Tensor] = {}
         for name, t in sd.items():
@@ -224,6 +229,19 @@ class HFBackend:
                 w = out[f"{prefix}.weight"]
                 out[f"{prefix}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
         return out
+
+    def _live_state_dict(self) -> dict[str, torch.Tensor]:
+        """One rank, no LoRA: the parameters' own local tensors under HF names, without a state_dict() pass or
+        DTensor dispatch per tensor (~300 of them; this is the per-version cost of same-GPU weight sync). The
+        Parameter objects are cached; their local tensors are read on every call (FSDP may swap them)."""
+        if not hasattr(self, "_live_params"):
+            live = []
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                hf = self._hf_name(name)
+                if hf not in self._aliases:
+                    live.append((hf, t))
+            self._live_params = live
+        return {hf: (t._local_tensor if isinstance(t, DTensor) else t).detach() for hf, t in self._live_params}
 
     def _lora_factors(self, sd: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         from peft.tuners.lora import LoraLayer

@@ -39,23 +39,63 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return logits
 
 
+def _fused_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """(target logprob, logsumexp) of one chunk from its compute-dtype logits; one pass when compiled."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    return x.gather(1, targets[:, None])[:, 0] - lse, lse
+
+
+def _fused_backward(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_out: torch.Tensor, t: float):
+    """d(g_out · logprob)/d logits in the logits' dtype: (onehot - softmax) · g_out / t; one pass when compiled."""
+    x = logits.float()
+    if t != 1.0:
+        x = x / t
+    g = -torch.exp(x - lse[:, None]) * g_out[:, None]
+    g = g.scatter_add(1, targets[:, None], g_out[:, None])
+    if t != 1.0:
+        g = g / t
+    return g.to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str):
+    """torch.compile'd `_fused_forward` / `_fused_backward` (made on first use): the upcast, logsumexp, softmax
+    and gradient of a [chunk, V] block in one read of the compute-dtype logits instead of ~6 float32 passes."""
+    if name not in _COMPILED:
+        fn = _fused_forward if name == "forward" else _fused_backward
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
+
+
 class _ChunkedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, out_shape):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, out_shape, fused):  # noqa: D102
         n = hidden.shape[0]
         # Allocated in its final shape (not a view of a flat result): FSDP warns about views returned from a
         # root module's forward, since in-place ops on them would bypass its pre-backward hook.
         result = torch.empty(out_shape, dtype=torch.float32, device=hidden.device)
         out = result.view(-1)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        fused = fused and bias is None
         for s in range(0, n, chunk_size):
-            logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)
-            lse_c = torch.logsumexp(logits, dim=-1)
-            out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0] - lse_c
-            lse[s : s + chunk_size] = lse_c
+            if fused:
+                logits = F.linear(hidden[s : s + chunk_size], weight)
+                out[s : s + chunk_size], lse[s : s + chunk_size] = _compiled("forward")(
+                    logits, targets[s : s + chunk_size], temperature
+                )
+            else:
+                logits = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)
+                lse_c = torch.logsumexp(logits, dim=-1)
+                out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0] - lse_c
+                lse[s : s + chunk_size] = lse_c
             del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.fused = temperature, chunk_size, fused
         return result
 
     @staticmethod
@@ -71,15 +111,18 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
             g_out = grad_out[s : s + c]
-            # d log p(y) / d logits = onehot(y) - softmax, scaled by 1/temperature; built in place.
-            g = _chunk_logits(h, weight, bias, t)
-            g.sub_(lse[s : s + c, None]).exp_().mul_(-g_out[:, None])
-            g.scatter_add_(1, targets[s : s + c, None], g_out[:, None])
-            if t != 1.0:
-                g.div_(t)
-            if grad_b is not None:
-                grad_b += g.sum(0)
-            g = g.to(weight.dtype)
+            if ctx.fused:
+                g = _compiled("backward")(F.linear(h, weight), lse[s : s + c], targets[s : s + c], g_out, t)
+            else:
+                # d log p(y) / d logits = onehot(y) - softmax, scaled by 1/temperature; built in place.
+                g = _chunk_logits(h, weight, bias, t)
+                g.sub_(lse[s : s + c, None]).exp_().mul_(-g_out[:, None])
+                g.scatter_add_(1, targets[s : s + c, None], g_out[:, None])
+                if t != 1.0:
+                    g.div_(t)
+                if grad_b is not None:
+                    grad_b += g.sum(0)
+                g = g.to(weight.dtype)
             if grad_h is not None:
                 grad_h[s : s + c] = g @ weight
             if grad_w is not None:
@@ -89,6 +132,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -104,11 +148,13 @@ def chunked_linear_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 2048,
+    fused: bool = False,
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T + bias)[target] in float32, `chunk_size` tokens at a time.
 
     hidden `[..., H]`, targets `[...]` (same leading shape); returns `[...]`. Differentiable in hidden, weight
-    and bias; at most one chunk of float32 logits exists at a time, in forward and in backward."""
+    and bias; at most one chunk of float32 logits exists at a time, in forward and in backward. `fused`: the
+    per-chunk elementwise math through torch.compile (no bias only; the matmuls stay cuBLAS)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     if hidden.shape[:-1] != targets.shape:
@@ -116,7 +162,9 @@ def chunked_linear_logprobs(
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).to(torch.long)
-    return _ChunkedLinearLogprobs.apply(flat_h, weight, bias, flat_t, float(temperature), int(chunk_size), lead)
+    return _ChunkedLinearLogprobs.apply(
+        flat_h, weight, bias, flat_t, float(temperature), int(chunk_size), lead, bool(fused)
+    )
 
 
 class LogprobHead:
@@ -124,10 +172,10 @@ class LogprobHead:
 
     Disarmed, the projection is the plain linear layer (logits), so `model(tokens).logits` still works."""
 
-    def __init__(self, linear: nn.Module, chunk_size: int) -> None:
+    def __init__(self, linear: nn.Module, chunk_size: int, *, fused: bool = False) -> None:
         if not hasattr(linear, "weight"):
             raise TypeError(f"{type(linear).__name__} has no weight: not a linear output projection")
-        self.linear, self.chunk_size = linear, int(chunk_size)
+        self.linear, self.chunk_size, self.fused = linear, int(chunk_size), bool(fused)
         self._targets: torch.Tensor | None = None
         self._temperature = 1.0
         plain = linear.forward
@@ -143,6 +191,7 @@ class LogprobHead:
                 self._targets,
                 temperature=self._temperature,
                 chunk_size=self.chunk_size,
+                fused=self.fused,
             )
 
         linear.forward = forward

@@ -95,7 +95,9 @@ class TorchtitanBackend:
         self.max_seq_len = int(self.hf_config["max_position_embeddings"])
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.model = self._build_fsdp_model(param_dtype)
-        self.logprob_head = LogprobHead(self.model.lm_head, logprob_chunk_size) if logprob_chunk_size else None
+        self.logprob_head = (
+            LogprobHead(self.model.lm_head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
+        )
 
     def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
         import torchtitan.distributed.parallel_dims as parallel_dims_mod

@@ -133,16 +133,20 @@ class FlatLayout:
         self.check(state_dict)
         views = self.views(slot)
         dst, src = [], []
-        for s in self.specs:
-            t = state_dict[s.name].detach()
-            if hasattr(t, "full_tensor"):
-                raise TypeError(f"{s.name} is a DTensor: pack full tensors (call .full_tensor())")
-            dst.append(views[s.name])
-            src.append(t)
         with torch.no_grad():
-            # One multi-tensor launch instead of ~300 copies where dtypes allow; it falls back per tensor (and
-            # casts) where they differ.
-            torch._foreach_copy_(dst, src, non_blocking=True)
+            for s in self.specs:
+                t = state_dict[s.name].detach()
+                if hasattr(t, "full_tensor"):
+                    raise TypeError(f"{s.name} is a DTensor: pack full tensors (call .full_tensor())")
+                if t.device == slot.device:
+                    dst.append(views[s.name])
+                    src.append(t)
+                else:  # across devices (e.g. GPU weights into a host buffer): a plain copy per tensor
+                    views[s.name].copy_(t)
+            if dst:
+                # Multi-tensor copies instead of ~300 launches where dtypes allow; torch falls back per tensor
+                # (casting) where they differ.
+                torch._foreach_copy_(dst, src, non_blocking=True)
 
     def unpack(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """Owned copies of the tensors in `slot` (tests, debugging)."""
