@@ -13,7 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from meshrl.generation.hf_engine import HFEngine  # noqa: E402
+import numpy as np  # noqa: E402
+
+from meshrl.generation.hf_engine import HFEngine, inverse_cdf, uniform_noise, uniform_noise_torch  # noqa: E402
 from meshrl.types import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
@@ -276,3 +278,64 @@ def test_validation_errors(setup):
     # the engine still works after rejected calls
     (c,) = engine.generate([[3, 4]], SamplingParams(max_tokens=2, temperature=0.0), 0)[0]
     assert len(c.token_ids) >= 1
+
+
+def test_uniform_noise_torch_is_bit_identical_to_numpy():
+    rng = np.random.default_rng(0)
+    seeds = np.concatenate([rng.integers(0, 2**63 - 1, 500, dtype=np.int64), [0, 1, 2**63 - 1]])
+    steps = np.concatenate([rng.integers(0, 5000, 500, dtype=np.int64), [0, 7, 4095]])
+    ref = uniform_noise(seeds.astype(np.uint64), steps.astype(np.uint64))
+    got = uniform_noise_torch(torch.from_numpy(seeds), torch.from_numpy(steps)).numpy()
+    assert np.array_equal(got, ref)
+    assert ((got >= 0) & (got < 1)).all()
+
+
+@pytest.mark.parametrize("vocab", [48, 128, 1000, 151936])
+def test_inverse_cdf_two_levels_equals_one_cumsum(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    n = 64
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")  # masked tokens (top-k / top-p): zero probability
+    probs = torch.softmax(logits, -1)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1 - 1e-9], dtype=torch.float64)  # the edges
+    got = inverse_cdf(probs, u)
+    assert (probs.gather(1, got[:, None]) > 0).all(), "never a token of zero probability"
+    cdf = probs.double().cumsum(-1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    # Equal except where u x total falls within float32 rounding of a CDF step.
+    agree = (got == ref).float().mean().item()
+    assert agree >= 0.95, agree
+    lo = (cdf.gather(1, got[:, None])[:, 0] - probs.double().gather(1, got[:, None])[:, 0]) / cdf[:, -1]
+    hi = cdf.gather(1, got[:, None])[:, 0] / cdf[:, -1]
+    assert ((u >= lo - 1e-5) & (u <= hi + 1e-5)).all()
+
+
+def test_device_loop_equals_per_step_sampling(setup):
+    """The device loop (no top-k/top-p; sampling with the tokens read back every `sync_every` steps) and the
+    per-step path (top-k = vocabulary: the same distribution, sampled outside the graph every step) draw the
+    same tokens with the same logprobs from the same seeds; and the chunk size does not change anything."""
+    engine, model, eos = setup
+    prompts = [EOS_PROMPT] + PROMPTS[1:3]
+    loop = SamplingParams(max_tokens=20, temperature=0.9, n=4, seed=77)
+    step = SamplingParams(max_tokens=20, temperature=0.9, n=4, seed=77, top_k=VOCAB)
+    a = engine.generate(prompts, loop, 0)
+    syncs = engine.stats["host_syncs"]
+    b = engine.generate(prompts, step, 0)
+    assert engine.stats["host_syncs"] == syncs  # the top-k request did not use the device loop
+    old = engine.sync_every
+    try:
+        engine.sync_every = 1
+        c = engine.generate(prompts, loop, 0)
+    finally:
+        engine.sync_every = old
+    for x, y, z in zip(a, b, c, strict=True):
+        for cx, cy, cz in zip(x, y, z, strict=True):
+            assert cx.token_ids == cy.token_ids == cz.token_ids
+            assert cx.finish_reason == cy.finish_reason == cz.finish_reason
+            torch.testing.assert_close(torch.tensor(cx.logprobs), torch.tensor(cy.logprobs), atol=ATOL, rtol=0)
+            torch.testing.assert_close(torch.tensor(cx.logprobs), torch.tensor(cz.logprobs), atol=ATOL, rtol=0)
+    stopped = [c for x in a for c in x if c.finish_reason == "stop"]
+    assert any(len(c.token_ids) < 16 for c in stopped)  # seed 77 stops some rows inside a chunk
+    for c in stopped:  # a stop inside a chunk: nothing after the stop token survives
+        assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]

@@ -21,7 +21,15 @@ How it works:
 - Sampling: temperature, top-k, top-p; logprobs are "processed" (of the distribution actually sampled from,
   after temperature/top-k/top-p), greedy reports the plain log-softmax, like the vLLM engine. Noise is a
   counter-based hash of (request seed, step), so a seeded request is reproducible whatever else is in the
-  batch, and no two samples share noise.
+  batch, and no two samples share noise. The draw is the inverse CDF at that one uniform, found in two levels
+  (blocks of 128 tokens, then inside the block) instead of a cumulative sum over the whole vocabulary.
+- Decode loop without a host round trip per token: when no running row uses top-k/top-p (greedy and plain
+  temperature sampling, what RL uses), one decode step = forward + sampling + logprob + position/step updates,
+  all on the device (in the CUDA graph on GPU; the noise hash runs there too). Sampled tokens and logprobs go
+  into a small on-device history; the host reads it once every `sync_every` steps (fewer when a row reaches
+  max_tokens sooner: that is known on the host) and checks stop tokens then. A row that stopped inside such a
+  chunk keeps decoding until the chunk ends (its extra tokens are dropped); its slot is refilled after it.
+  Rows that use top-k/top-p take the per-step path (sampling outside the graph, one host sync per step).
 """
 
 from __future__ import annotations
@@ -131,6 +139,63 @@ def uniform_noise(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return (h >> np.uint64(11)).astype(np.float64) / float(2**53)
 
 
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_SM = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    x = x + _SM[0]  # int64 arithmetic wraps, as uint64 does: same bits as the numpy version
+    x = (x ^ _srl(x, 30)) * _SM[1]
+    x = (x ^ _srl(x, 27)) * _SM[2]
+    return x ^ _srl(x, 31)
+
+
+def uniform_noise_torch(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`uniform_noise` on int64 tensors, on their device (bit-identical to the numpy version; graph-capturable)."""
+    h = _splitmix64_t(_splitmix64_t(seeds) ^ steps)
+    return _srl(h, 11).double() / float(2**53)
+
+
+_BLOCK = 128  # tokens per block of the two-level inverse CDF (151936 = 128 x 1187)
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Index of the last entry > 0 in each row of `x` [n, m] (0 if none)."""
+    idx = torch.arange(x.shape[-1], device=x.device)
+    return torch.where(x > 0, idx, 0).amax(-1)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of `probs` [n, V] (float32, >= 0), the first token whose cumulative mass exceeds
+    `u` x total (u [n] in [0, 1)). Two levels (sums of blocks of 128, then the cumulative sum inside the chosen
+    block) instead of a cumulative sum over V. Never returns a token of zero probability. No host sync."""
+    n, V = probs.shape
+    blk = min(_BLOCK, V)
+    pad = (-V) % blk
+    if pad:
+        probs = F.pad(probs, (0, pad))
+    nb = probs.shape[1] // blk
+    blocks = probs.view(n, nb, blk)
+    sums = blocks.sum(-1)  # [n, nb]
+    csum = sums.cumsum(-1)
+    target = (u.to(torch.float32) * csum[:, -1])[:, None]  # [n, 1]
+    b = torch.searchsorted(csum, target, right=True)
+    b = torch.minimum(b, _last_positive(sums)[:, None])  # rounding at the top end: stay on mass
+    before = csum.gather(1, b) - sums.gather(1, b)  # [n, 1]: mass of the blocks before b
+    inner = blocks.gather(1, b[:, :, None].expand(n, 1, blk))[:, 0]  # [n, blk]
+    j = torch.searchsorted(inner.cumsum(-1) + before, target, right=True)
+    j = torch.minimum(j, _last_positive(inner)[:, None])
+    return (b * blk + j)[:, 0].clamp_(max=V - 1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -138,12 +203,14 @@ def sample(
     top_p: torch.Tensor | None,
     u: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of float32 `logits` [n, V]; return (tokens [n], processed logprobs [n]).
+    """Sample one token per row of `logits` [n, V] (any float dtype; the math is float32); return (tokens [n],
+    processed logprobs [n], float32).
 
     temperature 0 is greedy (argmax; logprob = plain log-softmax). `top_k` [n] (V for off) and `top_p` [n]
-    (1 for off) may be None when no row uses them. The sample is the inverse CDF at `u` [n] (in [0, 1))."""
+    (1 for off) may be None when no row uses them. The sample is the inverse CDF at `u` [n] (in [0, 1)).
+    Without top-k/top-p nothing here synchronises with the host (it runs inside the decode CUDA graph)."""
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
     if top_k is not None:
         kmax = int(top_k.max())
         kth = torch.topk(scaled, kmax, dim=-1).values.gather(1, (top_k - 1).clamp(max=kmax - 1)[:, None])
@@ -154,12 +221,10 @@ def sample(
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked above: keep while it is below top_p
         sorted_l = sorted_l.masked_fill(before >= top_p[:, None], _NEG_INF)
         scaled = torch.empty_like(scaled).scatter_(1, idx, sorted_l)
-    logp = torch.log_softmax(scaled, dim=-1)
-    cdf = logp.exp().cumsum(-1)
-    drawn = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)[:, 0]
-    drawn = drawn.clamp_(max=logits.shape[-1] - 1)
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    drawn = inverse_cdf(torch.exp(scaled - lse), u)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    return tokens, (scaled.gather(1, tokens[:, None]) - lse)[:, 0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,6 +253,8 @@ class HFEngine:
 
     `max_num_seqs`: slots of the KV cache (sequences decoded together); it is lowered to what
     `kv_cache_memory_bytes` holds when that is given. `cuda_graphs`: capture decode steps on GPU.
+    `sync_every`: decode steps between host reads of the sampled tokens (stop checks) when no row uses
+    top-k/top-p; 1 reads after every step.
     """
 
     def __init__(
@@ -203,6 +270,7 @@ class HFEngine:
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
         len_bucket_step: int = 256,
+        sync_every: int = 16,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
@@ -265,12 +333,23 @@ class HFEngine:
         self.rows_buf = torch.arange(slots, device=self.device)
         self.iota = torch.arange(self._max_model_len, device=self.device)
         self.logits_buf = torch.zeros(slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+        # Device-side decode loop (see the module docstring): per-row sampling state, uploaded once per chunk,
+        # and the history of the chunk's sampled tokens / logprobs, read by the host once per chunk.
+        if int(sync_every) < 1:
+            raise ValueError(f"sync_every={sync_every} must be >= 1")
+        self.sync_every = int(sync_every)
+        self.seedstep_buf = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # [seed; tokens so far]
+        self.temp_buf = torch.ones(slots, dtype=torch.float32, device=self.device)
+        self.n_buf = torch.zeros(1, dtype=torch.long, device=self.device)  # running rows (bucket pad rows idle)
+        self.k_buf = torch.zeros(1, dtype=torch.long, device=self.device)  # step within the chunk
+        self.hist_tok = torch.zeros(self.sync_every, slots, dtype=torch.long, device=self.device)
+        self.hist_lp = torch.zeros(self.sync_every, slots, dtype=torch.float32, device=self.device)
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.batch_buckets = _buckets(slots, (1, 2, 4, 8, 16, 24, 32, 48), 64 if slots > 64 else 16)
         # Decode attention reads the KV of [0, length bucket) for every row: finer buckets read less padding but
         # capture more graphs (one per batch bucket x length bucket).
         self.len_buckets = _buckets(self._max_model_len, (32, 64, 128, 256), int(len_bucket_step))
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, length, device loop)
         self._graph_pool = None
         self.graph_failures: list[str] = []
         self.max_prefill_tokens = int(max_prefill_tokens)
@@ -282,7 +361,7 @@ class HFEngine:
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0}
+        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0}
 
     # ------------------------------------------------------------------ properties
 
@@ -344,36 +423,105 @@ class HFEngine:
             out.add_(self.lm_head.bias)
         return out
 
+    def _device_step(self, B: int, L: int) -> None:
+        """One decode step of rows [0, B) with sampling, logprob and bookkeeping on the device (no host sync):
+        the body of the device-loop CUDA graphs. Rows >= n_buf (batch-bucket padding) do not advance."""
+        logits = self._decode_forward(B, L)
+        seeds, steps = self.seedstep_buf[0, :B], self.seedstep_buf[1, :B]
+        tokens, logprobs = sample(logits, self.temp_buf[:B], None, None, uniform_noise_torch(seeds, steps))
+        self.ids_buf[:B].copy_(tokens)
+        self.hist_tok[:, :B][self.k_buf] = tokens[None]
+        self.hist_lp[:, :B][self.k_buf] = logprobs[None]
+        self.pos_buf[:B] += (self.rows_buf[:B] < self.n_buf).long()
+        steps += 1
+        self.k_buf += 1
+
+    def _graph(self, n: int, max_len: int, device_loop: bool):
+        """The CUDA graph for a step over rows [0, n) reading up to `max_len` (captured on first use), or None
+        (no graphs: CPU, disabled, or a capture failed)."""
+        if not self.use_graphs:
+            return None
+        B = next(b for b in self.batch_buckets if b >= n)
+        L = next(b for b in self.len_buckets if b >= max_len)
+        return self._graphs.get((B, L, device_loop)) or self._capture(B, L, device_loop)
+
     @torch.no_grad()
     def _decode(self, n: int, max_len: int) -> torch.Tensor:
         """One decode step over rows [0, n) whose longest attention span is `max_len`; logits [n, V] (float32)."""
         self.stats["decode_steps"] += 1
         with self._mode("decode"):
-            if self.use_graphs:
-                B = next(b for b in self.batch_buckets if b >= n)
-                L = next(b for b in self.len_buckets if b >= max_len)
-                graph = self._graphs.get((B, L)) or self._capture(B, L)
-                if graph is not None:
-                    graph.replay()
-                    self.stats["graph_replays"] += 1
-                    return self.logits_buf[:n].float()
+            graph = self._graph(n, max_len, False)
+            if graph is not None:
+                graph.replay()
+                self.stats["graph_replays"] += 1
+                return self.logits_buf[:n].float()
             return self._decode_forward(n, max_len)[:n].float()
 
-    def _capture(self, B: int, L: int):
+    def _capture(self, B: int, L: int, device_loop: bool):
+        step = self._device_step if device_loop else self._decode_forward
         try:
-            self._decode_forward(B, L)  # warm-up (same inputs as the step about to run: idempotent writes)
+            # Warm-up on the same inputs as the step about to run. Its KV writes are idempotent; the device
+            # loop's state updates are undone, so the replay that follows does the real step.
+            state = [self.ids_buf, self.pos_buf, self.seedstep_buf, self.k_buf]
+            saved = [t.clone() for t in state] if device_loop else []
+            step(B, L)
+            for t, v in zip(state, saved, strict=False):
+                t.copy_(v)
             torch.cuda.synchronize(self.device)
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._decode_forward(B, L)
-            self._graphs[(B, L)] = graph
+                step(B, L)
+            self._graphs[(B, L, device_loop)] = graph
             return graph
         except Exception as e:  # noqa: BLE001 - fall back to eager decode steps, and say why
             self.graph_failures.append(f"{type(e).__name__}: {e}")
             self.use_graphs = False
             return None
+
+    @torch.no_grad()
+    def _decode_chunk(self, running: list[_Request], pos: np.ndarray, k_steps: int) -> None:
+        """`k_steps` device-loop decode steps of every running row, then one host read of what they sampled:
+        tokens after a row's stop token are dropped (the row stopped there)."""
+        n = len(running)
+        ss = np.empty((2, n), dtype=np.int64)
+        ss[0] = [r.seed for r in running]
+        ss[1] = [len(r.tokens) for r in running]
+        self.seedstep_buf[:, :n].copy_(torch.from_numpy(ss), non_blocking=True)
+        temps = np.array([r.params.temperature for r in running], dtype=np.float32)
+        self.temp_buf[:n].copy_(torch.from_numpy(temps), non_blocking=True)
+        self.n_buf.fill_(n)
+        self.k_buf.zero_()
+        first = int(pos[:n].max()) + 1
+        with self._mode("decode"):
+            for k in range(k_steps):
+                graph = self._graph(n, first + k, True)
+                if graph is not None:
+                    graph.replay()
+                    self.stats["graph_replays"] += 1
+                else:
+                    self._device_step(n, first + k)
+        self.stats["decode_steps"] += k_steps
+        self.stats["host_syncs"] += 1
+        toks = self.hist_tok[:k_steps, :n].cpu().numpy()  # the one synchronisation of the chunk
+        lps = self.hist_lp[:k_steps, :n].cpu().numpy()
+        pos[:n] += k_steps
+        stops = frozenset().union(*{id(r.stop): r.stop for r in running}.values())
+        hit_rows = set(np.flatnonzero(np.isin(toks, list(stops)).any(0)).tolist()) if stops else set()
+        tok_rows, lp_rows = toks.T.tolist(), lps.T.tolist()
+        for i, r in enumerate(running):
+            t, lp = tok_rows[i], lp_rows[i]
+            cut = next((k + 1 for k, x in enumerate(t) if x in r.stop), 0) if i in hit_rows else 0
+            if cut:
+                r.tokens += t[:cut]
+                r.logprobs += lp[:cut]
+                r.finish_reason = "stop"
+            else:
+                r.tokens += t
+                r.logprobs += lp
+                if len(r.tokens) >= r.params.max_tokens:
+                    r.finish_reason = "length"
 
     # ------------------------------------------------------------------ generation
 
@@ -431,10 +579,16 @@ class HFEngine:
                 holes = []
             if running:
                 n = len(running)
-                logits = self._decode(n, int(pos[:n].max()) + 1)
-                self._sample_and_append(logits, running, list(range(n)))
-                pos[:n] += 1
-                self.pos_buf[:n] += 1
+                if all(r.params.temperature == 0 or (r.params.top_k == -1 and r.params.top_p >= 1) for r in running):
+                    # Device loop: until the next host read, every step stays on the device. Rows reaching
+                    # max_tokens end exactly at a chunk boundary.
+                    k = min(self.sync_every, min(r.params.max_tokens - len(r.tokens) for r in running))
+                    self._decode_chunk(running, pos, k)
+                else:  # top-k / top-p: sample outside the graph, one host round trip per step
+                    logits = self._decode(n, int(pos[:n].max()) + 1)
+                    self._sample_and_append(logits, running, list(range(n)))
+                    pos[:n] += 1
+                    self.pos_buf[:n] += 1
                 holes = self._retire(running, list(range(n)))
 
     def _admit(self, queue: deque, running: list[_Request], pos: np.ndarray, holes: list[int]) -> list[int]:
@@ -615,4 +769,4 @@ class HFEngine:
             torch.cuda.empty_cache()
 
 
-__all__ = ["HFEngine", "sample", "uniform_noise", "ATTN_NAME"]
+__all__ = ["HFEngine", "inverse_cdf", "sample", "uniform_noise", "uniform_noise_torch", "ATTN_NAME"]
