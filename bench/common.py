@@ -31,7 +31,7 @@ QWEN3_06B = dict(
     tie_word_embeddings=True,
 )
 TINY = dict(QWEN3_06B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)  # fmt: skip
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)  # fmt: skip
 
 
 def device() -> torch.device:
