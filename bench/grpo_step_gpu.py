@@ -88,7 +88,7 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
     t_start = time.perf_counter()
     with Controller(
         model_dir=model_dir, model_cfg=model_cfg, trainer_cfg=trainer_cfg, generator_cfg=gen_cfg,
-        tokenizer=task.tokenizer, reward_weights=task.reward_weights, seed=0, call_timeout_s=900,
+        tokenizer=task.tokenizer, reward_weights=task.reward_weights, seed=0, call_timeout_s=args.call_timeout,
     ) as ctl:  # fmt: skip
         start_s = time.perf_counter() - t_start
         used = getattr(ctl, "weight_transport", None) or "torchstore"
@@ -172,7 +172,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="trainer logprob_chunk_size")
     ap.add_argument("--compile", action="store_true", help="trainer compile lever (first step compiles)")
     ap.add_argument("--kv-gib", type=float, default=12.0, help="generator KV cache")
-    ap.add_argument("--transports", default="cuda_ipc,torchstore", help="tried in order where the config has them")
+    ap.add_argument("--transports", default="torchstore,cuda_ipc", help="tried in order where the config has them")
+    ap.add_argument("--call-timeout", type=float, default=180.0, help="Controller call timeout (s)")
     args = ap.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.prompts, args.group, args.max_tokens = 2, 1, 4, 4, 8
