@@ -19,6 +19,7 @@ class Generator(Actor):
         self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
         self.engine = None
         self.policy_version = 0
+        self.weight_loader = None  # set by attach_weight_buffer: pull from the trainer's shared buffer
 
     def _engine(self):
         if self.engine is None:
@@ -50,7 +51,19 @@ class Generator(Actor):
                 gpu_memory_utilization=c.gpu_memory_utilization,
                 seed=self.seed,
             )
-        return {"policy_version": self.policy_version, "max_model_len": self.engine.max_model_len, "engine": c.engine}
+        return {
+            "policy_version": self.policy_version,
+            "max_model_len": self.engine.max_model_len,
+            "engine": c.engine,
+            "device_identity": self._device_identity(),
+        }
+
+    def _device_identity(self) -> str:
+        from meshrl.weight_sync.cuda_ipc import device_identity
+
+        # HFEngine knows its device; vLLM's (TP 1) worker uses this process's current CUDA device.
+        default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return device_identity(getattr(self._engine(), "device", None) or default)
 
     @endpoint
     async def generate(
@@ -68,17 +81,39 @@ class Generator(Actor):
         return self._engine().prompt_logprobs(sequences)
 
     @endpoint
-    async def pull_weights(self, version: int) -> int:
-        """Load the weights pushed under `version` in place and reset the prefix cache."""
-        from meshrl.weight_sync.store import pull_weights
+    async def attach_weight_buffer(self, handle) -> str:
+        """Pull weights from now on from the trainer's shared buffer ('cuda_ipc' / 'shm' transport; `handle`:
+        `meshrl.weight_sync.cuda_ipc.CudaIpcHandle`, sent once by the controller). Returns the transport."""
+        from meshrl.weight_sync.transport import SharedBufferLoader
 
+        if self.weight_loader is not None:
+            self.weight_loader.close()
+        self.weight_loader = SharedBufferLoader(handle, self._engine())
+        return self.weight_loader.transport
+
+    @endpoint
+    async def pull_weights(self, version: int) -> int:
+        """Load exactly the weights pushed under `version` in place (from the shared buffer once one is attached,
+        else from torchstore) and reset the prefix cache. An unavailable version raises and keeps the old one."""
         if version < self.policy_version:
             raise StaleWeightsError(f"refusing to go back from policy_version={self.policy_version} to {version}")
-        state_dict = await pull_weights(version)
-        self._engine().load_weights(state_dict)
+        if self.weight_loader is not None:
+            self.weight_loader.load(self._engine(), version)  # checks that exactly `version` was loaded
+        else:
+            from meshrl.weight_sync.store import pull_weights  # torchstore only on this path
+
+            self._engine().load_weights(await pull_weights(version))
         self.policy_version = version
         return version
 
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        # Monarch calls this when the mesh stops: let go of the trainer's shared buffer before this process exits,
+        # so CUDA IPC's reference count on the trainer's side drops to zero.
+        if self.weight_loader is not None:
+            self.weight_loader.close()
+            self.weight_loader = None
+
     @endpoint
     async def info(self) -> dict:
-        return {"policy_version": self.policy_version, "engine": self.cfg.engine}
+        transport = "torchstore" if self.weight_loader is None else self.weight_loader.transport
+        return {"policy_version": self.policy_version, "engine": self.cfg.engine, "weight_sync": transport}

@@ -9,6 +9,8 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
+from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity, remove_shared_files
+from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -23,6 +25,8 @@ class PolicyTrainer(Actor):
             pad_id,
         )
         self.policy = None
+        self.weight_transport = "torchstore"  # set_weight_sync: the controller resolves it once the processes run
+        self.weight_handle = None  # rank 0, shared-buffer transports: the buffer's handle, for the generators
 
     def _policy(self):
         if self.policy is None:
@@ -59,6 +63,7 @@ class PolicyTrainer(Actor):
             "policy_version": p.policy_version,
             "max_seq_len": p.max_seq_len,
             "pid": os.getpid(),
+            "device_identity": device_identity(p.device),
         }
 
     @endpoint
@@ -74,16 +79,43 @@ class PolicyTrainer(Actor):
         return self._policy().optim_step(params)
 
     @endpoint
-    async def push_weights(self, version: int, dtype: str = "float32") -> int:
-        """Gather the full weights (collective) and put them in the store under `version` from rank 0.
-        Returns the bytes pushed (0 on the other ranks)."""
-        from meshrl.weight_sync.store import push_weights
+    async def set_weight_sync(self, transport: str) -> None:
+        """'torchstore', 'cuda_ipc' or 'shm' (resolved by the controller, meshrl.weight_sync.transport)."""
+        if transport not in ("torchstore", *SHARED_BUFFER_TRANSPORTS):
+            raise ValueError(f"weight transport {transport!r}; use 'torchstore', 'cuda_ipc' or 'shm'")
+        self.weight_transport = transport
 
+    @endpoint
+    async def push_weights(self, version: int, dtype: str = "float32") -> int:
+        """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`:
+        into torchstore, or into rank 0's shared flat buffer (allocated on the first push; 'cuda_ipc' on its GPU,
+        'shm' in /dev/shm on CPU). Returns the bytes published (0 on the other ranks)."""
         p = self._policy()
-        state_dict = p.hf_state_dict(_DTYPES[dtype])
-        if p.rank != 0:
+        if self.weight_transport == "torchstore":
+            from meshrl.weight_sync.store import push_weights
+
+            state_dict = p.hf_state_dict(_DTYPES[dtype])
+            return await push_weights(state_dict, version) if p.rank == 0 else 0
+        handle = p.publish_weights_ipc(version, _DTYPES[dtype])  # collective; the handle on rank 0 only
+        if handle is None:
             return 0
-        return await push_weights(state_dict, version)
+        backing = "shm" if handle.buffer[0] == "shm" else "cuda_ipc"
+        if backing != self.weight_transport:  # the config checks rule this out; say so if they ever disagree
+            raise RuntimeError(f"weight transport {self.weight_transport!r}, but the trainer's buffer is {backing!r}")
+        self.weight_handle = handle
+        return handle.layout.payload_nbytes
+
+    @endpoint
+    async def weight_buffer(self) -> CudaIpcHandle | None:
+        """The shared buffer's handle (rank 0, after the first push with a shared-buffer transport), else None."""
+        return self.weight_handle
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        # Monarch calls this when the mesh stops. The buffer's host files (and a CPU buffer's /dev/shm memory) would
+        # otherwise outlive the run; mappings that generators hold keep working until they exit.
+        if self.weight_handle is not None:
+            remove_shared_files(self.weight_handle)
+            self.weight_handle = None
 
     @endpoint
     async def save_checkpoint(self, path: str) -> None:

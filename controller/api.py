@@ -30,6 +30,7 @@ from meshrl.types import (
     SamplingParams,
 )
 from meshrl.weight_sync.store import delete_weights, init_weight_store, shutdown_weight_store
+from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS, describe_transport, resolve_transport
 
 T = TypeVar("T")
 
@@ -74,6 +75,7 @@ class WeightSyncTiming:
     push_s: float
     pull_s: float
     bytes: int
+    transport: str = "torchstore"
 
 
 class Controller:
@@ -91,6 +93,10 @@ class Controller:
     ) -> None:
         from monarch.spmd import setup_torch_elastic_env
 
+        from meshrl.config import check_weight_sync
+
+        if generator_cfg is not None:
+            check_weight_sync(trainer_cfg, generator_cfg)  # before anything is spawned
         self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
         self._model_args = (model_cfg, trainer_cfg, tokenizer.pad_id)  # for a ReferenceModel started later
         self.reference, self.reference_procs = None, 0
@@ -111,8 +117,11 @@ class Controller:
         )
         self.generators = self.reward = None
         self.num_replicas, self.generator_info = 0, []
+        self.weight_transport: str | None = None
+        self._buffer_attached = False
         if generator_cfg is not None:
-            asyncio.run(init_weight_store())
+            if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
+                asyncio.run(init_weight_store())
             self._procs.append(host.spawn_procs(per_host={"procs": generator_cfg.num_replicas}))
             self.generators = self._procs[-1].spawn("generator", Generator, self.model_dir, generator_cfg, seed)
             self.num_replicas = generator_cfg.num_replicas
@@ -126,8 +135,24 @@ class Controller:
         self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
         if generator_cfg is not None:
             self.generator_info = gens_ready.result()
+            self._start_weight_sync(generator_cfg.weight_sync)
         self.policy_version = self.trainer_info["policy_version"]
         self._last_synced: int | None = None
+
+    def _start_weight_sync(self, requested: str) -> None:
+        """Resolve generator.weight_sync against where the processes actually run (trainer rank 0 publishes) and
+        tell the trainer. Shared-buffer transports hand the buffer to the generators at the first sync."""
+        trainer = self.trainer_info["device_identity"]
+        generators = [g["device_identity"] for g in self.generator_info]
+        try:
+            self.weight_transport = resolve_transport(requested, trainer, generators)
+        except Exception:
+            self.shutdown()  # a placement that cannot do what was asked: fail at launch, leave no processes
+            raise
+        Pending(
+            [self.trainer.set_weight_sync.call(self.weight_transport)], _rank0, self.timeout_s, "set_weight_sync"
+        ).result()
+        print(f"[meshrl] {describe_transport(self.weight_transport, trainer, generators)}", flush=True)
 
     # ---- trainer ------------------------------------------------------------------------------------------
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> Pending[ForwardBackwardResult]:
@@ -193,8 +218,9 @@ class Controller:
         generator load them. Returns when all generators serve exactly that version."""
         self._need("generators", self.generators)
         version = self.policy_version if version is None else version
+        transport = self.weight_transport
         if version == self._last_synced:
-            return WeightSyncTiming(version, 0.0, 0.0, 0)  # generators already serve it
+            return WeightSyncTiming(version, 0.0, 0.0, 0, transport)  # generators already serve it
         t0 = time.perf_counter()
         pushed = Pending(
             [self.trainer.push_weights.call(version, self.generator_cfg.dtype)],
@@ -202,6 +228,8 @@ class Controller:
             self.timeout_s,
             "push_weights",
         ).result()
+        if transport in SHARED_BUFFER_TRANSPORTS and not self._buffer_attached:
+            self._attach_weight_buffer()  # once: the buffer exists from the first push on
         t1 = time.perf_counter()
         versions = Pending(
             [self.generators.pull_weights.call(version)],
@@ -211,10 +239,20 @@ class Controller:
         ).result()
         if set(versions) != {version}:
             raise RuntimeError(f"generators report versions {versions} after pulling {version}")
-        if self._last_synced is not None and self._last_synced != version:
+        if transport == "torchstore" and self._last_synced is not None and self._last_synced != version:
             asyncio.run(delete_weights(self._last_synced))  # generators have moved on; free the store
         self._last_synced = version
-        return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed)
+        return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed, transport)
+
+    def _attach_weight_buffer(self) -> None:
+        handles = Pending(
+            [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
+        ).result()
+        (handle,) = [h for h in handles if h is not None]  # rank 0's
+        Pending(
+            [self.generators.attach_weight_buffer.call(handle)], lambda v: v, self.timeout_s, "attach_weight_buffer"
+        ).result()
+        self._buffer_attached = True
 
     # ---- generation and scoring ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Pending[list[list[Completion]]]:
@@ -260,7 +298,9 @@ class Controller:
                 asyncio.run(asyncio.wait_for(shutdown_weight_store(), timeout))
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-        for procs in self._procs:
+        # Consumers first, the trainer last: generators still map the trainer's weight buffer (CUDA IPC warns
+        # when the producing process exits before them).
+        for procs in reversed(self._procs):
             try:
                 procs.stop().get(timeout=timeout)
             except Exception:  # noqa: BLE001 - best effort: the processes may already be gone

@@ -15,6 +15,9 @@ class ConfigError(ValueError):
     """A user-fixable problem with the run configuration."""
 
 
+WEIGHT_SYNC_TRANSPORTS = ("auto", "torchstore", "cuda_ipc", "shm")
+
+
 @dataclass
 class ModelConfig:
     path: str | None = None
@@ -155,6 +158,11 @@ class GeneratorConfig:
     holds."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype; trainer weights are cast to it on the way (the transfer dtype)."""
+    weight_sync: Literal["auto", "torchstore", "cuda_ipc", "shm"] = "auto"
+    """Trainer -> generator weight transport (meshrl.weight_sync.transport). 'auto': 'cuda_ipc' when every
+    generator is on trainer rank 0's GPU, else 'torchstore'. 'cuda_ipc': a flat buffer on that GPU, its IPC handle
+    sent once. 'shm': the same buffer protocol in host shared memory (/dev/shm), for a CPU trainer and generators
+    on one host. An explicit choice that the placement cannot do fails at launch."""
     max_model_len: int = 64
     """Longest prompt + completion the engine accepts (tokens)."""
     kv_cache_memory_bytes: int = 64 * 2**20
@@ -172,6 +180,8 @@ class GeneratorConfig:
             raise ConfigError(f"generator.engine={self.engine!r}; use 'vllm' or 'transformers'")
         if self.max_num_seqs < 1:
             raise ConfigError(f"generator.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.weight_sync not in WEIGHT_SYNC_TRANSPORTS:
+            raise ConfigError(f"generator.weight_sync={self.weight_sync!r}; use one of {list(WEIGHT_SYNC_TRANSPORTS)}")
         if self.max_tokens >= self.max_model_len:
             raise ConfigError(
                 f"generator.max_tokens={self.max_tokens} leaves no room for a prompt within "
@@ -182,6 +192,21 @@ class GeneratorConfig:
                 f"generator.temperature={self.temperature}: RL sampling needs temperature > 0 "
                 "(greedy decoding is used for evaluation only)"
             )
+
+
+def check_weight_sync(trainer: TrainerConfig, generator: GeneratorConfig) -> None:
+    """What the config alone decides about generator.weight_sync (the placement is checked once the processes
+    run: meshrl.weight_sync.transport.resolve_transport)."""
+    if generator.weight_sync == "cuda_ipc" and trainer.device != "cuda":
+        raise ConfigError(
+            "generator.weight_sync='cuda_ipc' shares a buffer on the trainer's GPU, but trainer.device='cpu'; use "
+            "--generator.weight-sync auto (torchstore), or shm for CPU processes on one host"
+        )
+    if generator.weight_sync == "shm" and trainer.device != "cpu":
+        raise ConfigError(
+            "generator.weight_sync='shm' is the host-memory buffer of a CPU trainer, but trainer.device="
+            f"{trainer.device!r}; use --generator.weight-sync cuda_ipc (generators on the trainer's GPU) or auto"
+        )
 
 
 @dataclass
@@ -408,6 +433,7 @@ class GRPORunConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        check_weight_sync(self.trainer, self.generator)
         validate_batch_arithmetic(
             global_batch_size=self.grpo.global_batch_size,
             micro_batch_size=self.trainer.micro_batch_size,
@@ -504,6 +530,7 @@ class SFTRunConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        check_weight_sync(self.trainer, self.generator)
         validate_batch_arithmetic(
             global_batch_size=self.sft.batch_size,
             micro_batch_size=self.trainer.micro_batch_size,

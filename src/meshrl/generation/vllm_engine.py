@@ -279,14 +279,19 @@ class VLLMEngine:
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {len(weights)}")
         self.llm.reset_prefix_cache()
 
-    def load_weights_ipc(self, handle, version: int | None = None) -> None:
-        """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.cuda_ipc`): each
-        worker opens `handle` once and copies GPU to GPU, with no trip through host memory."""
+    def load_weights_ipc(self, handle, version: int | None = None) -> int:
+        """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.cuda_ipc`; on CPU its
+        /dev/shm backing): each worker opens `handle` once and copies GPU to GPU, with no trip through host
+        memory. Loads `version` (None: the latest published) and returns the version loaded."""
         n = len(handle.layout.specs)
-        counts = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(handle, version))
+        results = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(handle, version))
+        versions, counts = {v for v, _ in results}, [c for _, c in results]
         if any(c != n for c in counts):
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
+        if len(versions) != 1:  # with version=None, workers reading while a newer one lands could disagree
+            raise RuntimeError(f"vLLM workers loaded different weight versions {sorted(versions)}; pass a version")
         self.llm.reset_prefix_cache()
+        return versions.pop()
 
     # ------------------------------------------------------------------ teardown
 

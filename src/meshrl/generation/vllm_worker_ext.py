@@ -50,17 +50,21 @@ class WeightUpdateExtension:
                 quant_method.process_weights_after_loading(lm_head)
         return len(pairs)
 
-    def meshrl_update_weights_ipc(self, handle, version: int | None) -> int:
-        """Load `version` from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`), in place.
+    def meshrl_update_weights_ipc(self, handle, version: int | None) -> tuple[int, int]:
+        """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`)
+        in place. Returns (the version loaded, how many tensors).
 
         The handle is opened once per worker and kept (opening CUDA IPC memory is the slow part); every later
         call only copies from the views. The slot stays locked against the trainer while vLLM copies from it.
-        Only a worker on the trainer's GPU can open the handle (same-GPU, colocated layout)."""
+        Only a worker on the trainer's GPU can open a CUDA handle (same-GPU, colocated layout); a /dev/shm-backed
+        handle (CPU) opens in any process of the host."""
         from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
 
         rx = getattr(self, "_meshrl_ipc_receiver", None)
         if rx is None or rx.handle.control_path != handle.control_path:
+            if rx is not None:
+                rx.close()
             rx = CudaIpcReceiver(handle)
             self._meshrl_ipc_receiver = rx
-        with rx.read(version) as (_, views):
-            return self.meshrl_update_weights(views.items())
+        with rx.read(version) as (got, views):
+            return got, self.meshrl_update_weights(views.items())

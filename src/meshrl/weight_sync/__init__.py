@@ -1,5 +1,5 @@
 """Policy weight sync (trainer -> generators): over torchstore (``store.py``) or, trainer and generator on one
-GPU, over CUDA IPC (``cuda_ipc.py``).
+GPU, over CUDA IPC (``cuda_ipc.py``; on CPU the same buffer in /dev/shm). ``transport.py`` picks one per run.
 
 The torchstore names are resolved lazily: importing this package (e.g. for ``meshrl.weight_sync.cuda_ipc``)
 must not import Monarch or torchstore, which a generator or benchmark process may not have.

@@ -109,6 +109,11 @@ class FlatLayout:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes of the tensors themselves (no alignment padding): what one version transfers."""
+        return sum(s.nbytes for s in self.specs)
+
     def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """name -> tensor view into `slot` (a 1-D uint8 tensor of `nbytes`). No copy."""
         if slot.dtype != torch.uint8 or slot.dim() != 1 or slot.numel() < self.nbytes:
@@ -369,6 +374,19 @@ class CudaIpcSender:
                 os.unlink(self._shm_path)
 
 
+def remove_shared_files(handle: CudaIpcHandle) -> None:
+    """Unlink the host files behind `handle` (control block, slot locks, a CPU buffer's /dev/shm file). Processes
+    that already mapped or opened them keep working (POSIX keeps unlinked files alive while in use); only new
+    receivers can no longer open the handle. For the owner of a sender that it cannot `close()` itself (the
+    trainer actor: the sender lives inside `Policy`), at the end of the run."""
+    paths = [handle.control_path] + [f"{handle.control_path}.slot{i}.lock" for i in range(handle.num_slots)]
+    if handle.buffer[0] == "shm":
+        paths.append(handle.buffer[1])
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
 class WeightLoader(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
 
@@ -445,4 +463,5 @@ __all__ = [
     "WeightVersionUnavailable",
     "choose_transport",
     "device_identity",
+    "remove_shared_files",
 ]
