@@ -114,6 +114,7 @@ def breakdown(engine, cfg, weight_bytes: int, bw: float, batch: int, dev: torch.
     lengths = sorted({L for (B, L, loop) in engine._graphs if B == batch and loop})
     engine.n_buf.fill_(0)  # no row advances: replays leave positions alone
     for L in lengths:
+        engine.pos_buf[:batch] = L - 1  # every row attends over the whole bucket
         row = {"batch": batch, "length_bucket": L, "bound_ms": 1e3 * step_bound_s(cfg, weight_bytes, batch, L, bw)}
         for name, loop in (("forward_ms", False), ("forward_sample_ms", True)):
             with engine._mode("decode"):
@@ -218,7 +219,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--skip-generate", action="store_true", help="engine only (no transformers generate baseline)")
-    ap.add_argument("--len-bucket-steps", default="256,64", help="HFEngine length-bucket steps to measure")
+    ap.add_argument(
+        "--variants", default="auto+norm,matmul",
+        help="HFEngine variants, comma-separated: attn_impl (auto|triton|sdpa|matmul), '+norm' for fused RMSNorm",
+    )  # fmt: skip
+    ap.add_argument("--len-bucket-step", type=int, default=64, help="HFEngine length-bucket step")
     ap.add_argument("--sync-every", type=int, default=16, help="HFEngine decode steps between host reads")
     ap.add_argument("--breakdown", action="store_true", help="time single decode-graph replays (largest batch)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM (VLLMEngine), last, in the same run")
@@ -242,13 +247,21 @@ def main() -> None:
     results: dict[str, dict] = {}
     payload = {"env": environment(), "prompt": args.prompt, "new": args.new, "copy_bw_Bps": bw, "results": results}
 
-    steps = [int(x) for x in args.len_bucket_steps.split(",")]
-    for step in steps:
+    variants = [v for v in args.variants.split(",") if v]
+    step = args.len_bucket_step
+    for variant in variants:
+        attn, _, norm = variant.partition("+")
         reset_peak(dev)
         engine = HFEngine(
             model_dir, dtype="bfloat16", max_model_len=args.prompt + args.new, max_num_seqs=max(batches), device=dev,
             max_prefill_tokens=max(batches) * args.prompt, len_bucket_step=step, sync_every=args.sync_every,
+            attn_impl=attn, fused_norm=norm == "norm",
         )  # fmt: skip
+        print(
+            f"HFEngine {variant}: attention {engine.attn_impl} (fallback: {engine.attn_fallback}), fused norm "
+            f"{engine.fused_norm} (fallback: {engine.norm_fallback})",
+            flush=True,
+        )
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied: counted once
         for b in batches:
             rows = prompts[b].tolist()
@@ -256,16 +269,18 @@ def main() -> None:
             stats0 = dict(engine.stats)
             dt, made = engine_generate(engine, rows, args.new, dev)
             bound = bound_seconds(cfg, weight_bytes, b, args.prompt, args.new, bw)
-            results[f"engine_b{b}_lb{step}"] = {
-                "batch": b, "len_bucket_step": step, "seconds": dt, "first_call_s": cold_s, "new_tokens": made,
+            results[f"engine_b{b}_{variant}"] = {
+                "batch": b, "variant": variant, "attn_impl": engine.attn_impl, "attn_fallback": engine.attn_fallback,
+                "fused_norm": engine.fused_norm, "norm_fallback": engine.norm_fallback,
+                "len_bucket_step": step, "seconds": dt, "first_call_s": cold_s, "new_tokens": made,
                 "tokens_per_s": made / dt, "bound_s": bound, "frac_of_bound": bound / dt, "peak_gib": peak_gib(dev),
                 "graph_failures": list(engine.graph_failures), "graphs": len(engine._graphs),
                 "sync_every": args.sync_every, "stats": {k: v - stats0.get(k, 0) for k, v in engine.stats.items()},
             }  # fmt: skip
-            print(f"engine lb{step} b={b}: {made / dt:,.0f} tok/s ({bound / dt:.0%} of bound), first {cold_s:.1f}s")
+            print(f"engine {variant} b={b}: {made / dt:,.0f} tok/s ({bound / dt:.0%} of bound), first {cold_s:.1f}s")
             write_json("generation", payload)
-        if args.breakdown and step == steps[-1]:
-            payload["breakdown"] = breakdown(engine, cfg, weight_bytes, bw, max(batches), dev)
+        if args.breakdown:
+            payload.setdefault("breakdown", {})[variant] = breakdown(engine, cfg, weight_bytes, bw, max(batches), dev)
             write_json("generation", payload)
         engine.shutdown()
         del engine
@@ -308,7 +323,7 @@ def main() -> None:
             elif key.startswith("vllm"):
                 name = "vLLM (VLLMEngine)"
             else:
-                name = f"HFEngine (len bucket {r['len_bucket_step']})"
+                name = f"HFEngine ({r['attn_impl']} attention{', fused norm' if r['fused_norm'] else ''})"
             ratio = r["tokens_per_s"] / h["tokens_per_s"] if (h and r is not h) else None
             v = results.get(f"vllm_b{b}")
             vratio = r["tokens_per_s"] / v["tokens_per_s"] if (v and r is not v) else None

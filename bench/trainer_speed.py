@@ -3,6 +3,16 @@ the speed levers, beside the plain transformers loop, in one run on one GPU.
 
     python bench/trainer_speed.py            # Qwen3-0.6B shape, random weights, batch 8 x 2048, bf16
     python bench/trainer_speed.py --tiny     # CPU smoke test of the script (not a result)
+    python bench/trainer_speed.py --backend torchtitan   # torchtitan backend vs the bare torchtitan loop
+                                                         # (needs torchtitan 0.3 + torch >= 2.13: GPU.md step 3)
+
+With `--backend torchtitan` the baseline is the bare torchtitan loop ("plain-titan": torchtitan's Qwen3 built
+on the meta device, materialised on the GPU in pure bf16, flex attention (torchtitan's compiled flex), each
+block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors) and ours is
+`Policy(backend="torchtitan", attn_backend="flex")` with the levers (FSDP2 on one rank, fp32 master weights).
+MFU = (6 N + 12 L H Q T) FLOPs per token (N all parameters, the tied head counted once; L layers, H heads,
+Q head dim, T sequence length: the attention term as torchtitan counts it) x tokens/s, over the H100's
+989 TFLOP/s dense bf16 (and over the 779 TFLOP/s matmul measured on this machine, GPU.md).
 
 Baseline ("plain transformers loop", GPU.md): the model in pure bf16, SDPA, `model(ids).logits`, full-vocab
 float32 cross-entropy, fused AdamW. Ours: `Policy.forward_backward` (cross-entropy LossSpec over every target
@@ -23,6 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import environment, make_model_dir, median, peak_gib, print_table, reset_peak, sync, write_json
 
+TITAN_CONFIGS = {
+    "titan": {},
+    "titan+chunked+compile": {"logprob_chunk_size": 4096, "compile": True},
+    "titan+compile": {"compile": True},
+}
 CONFIGS = {
     "policy": {},
     "policy+chunked": {"logprob_chunk_size": 4096},
@@ -59,14 +74,55 @@ def plain_loop(model_dir: str, tokens: torch.Tensor, warmup: int, steps: int) ->
     return times, {"first_step_loss": first_loss}
 
 
+def titan_plain_loop(model_dir: str, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], dict]:
+    from meshrl.models import qwen3
+
+    dev = tokens.device
+    attn = "flex" if dev.type == "cuda" else "sdpa"
+    cfg = qwen3.titan_config_from_hf(qwen3.read_hf_config(model_dir), attn_backend=attn)
+    model = qwen3.build_model_on_meta(cfg)
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        model.init_states(buffer_device=dev)
+    model.load_state_dict(qwen3.hf_to_titan(qwen3.load_hf_state_dict(model_dir), cfg))
+    model = model.to(torch.bfloat16)
+    if dev.type == "cuda":
+        for block in model.layers.values():
+            block.compile()
+    model.train()
+    masks = None
+    if attn == "flex":  # torchtitan's FlexAttention takes a BlockMask on every call: causal, one per row
+        masks = model.get_attention_masks(torch.arange(tokens.shape[1], device=dev).expand(tokens.shape[0], -1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+    times, first_loss = [], None
+    for i in range(warmup + steps):
+        sync(dev)
+        t0 = time.perf_counter()
+        logits = model(tokens, attention_masks=masks) if masks is not None else model(tokens)
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if first_loss is None:
+            first_loss = float(loss)
+        del logits, loss
+    del model, opt
+    gc.collect()
+    return times, {"first_step_loss": first_loss}
+
+
 def policy_loop(
-    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, levers: dict
+    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, levers: dict, backend: str = "hf"
 ) -> tuple[list[float], dict]:
     from meshrl.policy import Policy
     from meshrl.types import Datum, LossSpec, OptimParams
 
     dev = tokens.device
-    policy = Policy(model_dir, backend="hf", param_dtype="bfloat16", device=dev.type, attn_backend="sdpa", **levers)
+    attn = "flex" if (backend == "torchtitan" and dev.type == "cuda") else "sdpa"
+    policy = Policy(model_dir, backend=backend, param_dtype="bfloat16", device=dev.type, attn_backend=attn, **levers)
     rows = tokens.tolist()
     data = [Datum.from_completion(r[:1], r[1:]) for r in rows]
     spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
@@ -96,8 +152,21 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--configs", default=",".join(["plain", *CONFIGS]), help="comma-separated; 'plain' = baseline")
+    ap.add_argument("--configs", default=None, help="comma-separated; 'plain' / 'plain-titan' = the baseline")
+    ap.add_argument("--backend", default="hf", choices=["hf", "torchtitan"])
+    ap.add_argument(
+        "--flex-no-autotune", action="store_true",
+        help="compile torchtitan's flex attention without max-autotune (it stalled on torch 2.14, GPU.md)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.flex_no_autotune:
+        from torch.nn.attention.flex_attention import flex_attention
+        from torchtitan.models.common.attention import FlexAttention
+
+        FlexAttention.inductor_configs.update(max_autotune=False, coordinate_descent_tuning=False)
+        FlexAttention._compiled_flex_attn = torch.compile(flex_attention, options=FlexAttention.inductor_configs)
+    if args.configs is None:
+        args.configs = ",".join(["plain", *CONFIGS] if args.backend == "hf" else ["plain-titan", *TITAN_CONFIGS])
     if args.tiny:
         args.batch, args.seq, args.warmup, args.steps = 2, 64, 1, 2
 
@@ -112,27 +181,45 @@ def main() -> None:
     model_dir = make_model_dir(tempfile.mkdtemp() + "/model", tiny=args.tiny)
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    vocab = hf_cfg.vocab_size
+    n_params = sum(
+        v.numel() for k, v in __import__("safetensors.torch", fromlist=["x"]).load_file(
+            f"{model_dir}/model.safetensors").items() if k != "lm_head.weight"
+    )  # fmt: skip
+    flops_per_token = (
+        6 * n_params + 12 * hf_cfg.num_hidden_layers * hf_cfg.num_attention_heads * hf_cfg.head_dim * args.seq
+    )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(dev)
     n_tok = args.batch * args.seq
     results: dict[str, dict] = {}
-    payload = {"env": environment(), "batch": args.batch, "seq": args.seq, "results": results}
+    payload = {
+        "env": environment(), "batch": args.batch, "seq": args.seq, "backend": args.backend, "results": results,
+        "flex_no_autotune": args.flex_no_autotune,
+        "n_params": n_params, "flops_per_token": flops_per_token,
+    }  # fmt: skip
     for name in args.configs.split(","):
         reset_peak(dev)
         t0 = time.perf_counter()
         try:
             if name == "plain":
                 times, extra = plain_loop(model_dir, tokens, args.warmup, args.steps)
+            elif name == "plain-titan":
+                times, extra = titan_plain_loop(model_dir, tokens, args.warmup, args.steps)
             else:
-                times, extra = policy_loop(model_dir, tokens, args.warmup, args.steps, CONFIGS[name])
-        except torch.OutOfMemoryError as e:
-            results[name] = {"error": f"OOM: {str(e)[:200]}"}
+                levers = {**CONFIGS, **TITAN_CONFIGS}[name]
+                times, extra = policy_loop(model_dir, tokens, args.warmup, args.steps, levers, args.backend)
+        except Exception as e:  # noqa: BLE001 - OOM or a backend failure: keep the other configs
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"{name}: {results[name]['error']}", flush=True)
             gc.collect()
             continue
         step = median(times)
         results[name] = {
-            "levers": CONFIGS.get(name, {}),
+            "levers": {**CONFIGS, **TITAN_CONFIGS}.get(name, {}),
+            "mfu_989": flops_per_token * n_tok / step / 989e12,
+            "mfu_779": flops_per_token * n_tok / step / 779e12,
             "step_s": step,
             "step_times_s": times,
             "tokens_per_s": n_tok / step,
@@ -142,19 +229,21 @@ def main() -> None:
         }
         print(f"{name}: {n_tok / step:,.0f} tok/s, step {step:.3f}s, peak {peak_gib(dev)} GiB", flush=True)
         write_json("trainer_speed", payload)  # after every config: a later failure keeps what was measured
-    base = results.get("plain", {}).get("tokens_per_s")
+    base = (results.get("plain") or results.get("plain-titan") or {}).get("tokens_per_s")
     rows = []
     for name, r in results.items():
         if "error" in r:
             rows.append([name, None, None, None, None, r["error"][:60]])
             continue
         ratio = r["tokens_per_s"] / base if base else None
-        rows.append([name, r["tokens_per_s"], r["step_s"], r["peak_gib"], ratio, r["first_step_loss"]])
+        rows.append(
+            [name, r["tokens_per_s"], r["step_s"], f"{r['mfu_989']:.1%}", r["peak_gib"], ratio, r["first_step_loss"]]
+        )
     write_json("trainer_speed", payload)
     print_table(
         f"trainer, Qwen3-0.6B shape{' (TINY)' if args.tiny else ''}, batch {args.batch} x {args.seq}, "
         f"{payload['env']['device']}",
-        ["config", "tokens/s", "step s", "peak GiB", "x plain", "step-1 loss"],
+        ["config", "tokens/s", "step s", "MFU (989)", "peak GiB", "x plain", "step-1 loss"],
         rows,
     )
     dist.destroy_process_group()

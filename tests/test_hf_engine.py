@@ -339,3 +339,58 @@ def test_device_loop_equals_per_step_sampling(setup):
     assert any(len(c.token_ids) < 16 for c in stopped)  # seed 77 stops some rows inside a chunk
     for c in stopped:  # a stop inside a chunk: nothing after the stop token survives
         assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+
+
+def test_decode_attention_sdpa_matches_matmul(setup):
+    """The SDPA decode variant gives the matmul engine's greedy tokens and logprobs (rows of different lengths)."""
+    engine, model, _ = setup
+    other = HFEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attn_impl="sdpa")
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        ref = engine.generate(PROMPTS, params, 0)
+        got = other.generate(PROMPTS, params, 0)
+        for r, g in zip(ref, got, strict=True):
+            assert g[0].token_ids == r[0].token_ids
+            torch.testing.assert_close(torch.tensor(g[0].logprobs), torch.tensor(r[0].logprobs), atol=ATOL, rtol=0)
+    finally:
+        other.shutdown()
+
+
+_TRITON_CHECK = """
+import torch
+from meshrl.generation.hf_engine import decode_attention_triton
+torch.manual_seed(0)
+for B, S, Hkv, G, L, D in [(3, 4, 2, 2, 100, 32), (2, 2, 8, 2, 384, 128), (40, 40, 2, 4, 70, 32)]:
+    kc, vc = torch.randn(S, Hkv, L, D), torch.randn(S, Hkv, L, D)
+    q = torch.randn(B, Hkv * G, D)
+    pos = torch.randint(0, L, (B,))
+    pos[0], pos[-1] = 0, L - 1
+    bias = torch.where(torch.arange(L)[None] <= pos[:, None], 0.0, float("-inf"))
+    p = torch.softmax(q.reshape(B, Hkv, G, D) @ kc[:B].transpose(-1, -2) * D**-0.5 + bias[:, None, None], -1)
+    ref = (p @ vc[:B]).reshape(B, Hkv * G, D)
+    err = (decode_attention_triton(q, kc, vc, pos, L, D**-0.5) - ref).abs().max().item()
+    assert err < 1e-5, (B, S, Hkv, G, L, D, err)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from meshrl.generation.hf_engine import rmsnorm_triton
+for shape in [(5, 1024), (3, 7, 16, 128), (2, 48)]:
+    norm = Qwen3RMSNorm(shape[-1], eps=1e-6)
+    norm.weight.data = torch.randn(shape[-1])
+    x = torch.randn(*shape) * 3
+    err = (rmsnorm_triton(x, norm.weight, norm.variance_epsilon) - norm(x)).abs().max().item()
+    assert err < 1e-5, (shape, err)
+print("ok")
+"""
+
+
+def test_triton_kernels():
+    """The Triton decode kernel (Triton's CPU interpreter, float32) against softmax(q k^T) v with per-row lengths:
+    GQA groups of 2 and 4, one program per (row, kv head) and rows split over several programs; the fused
+    RMSNorm against transformers' Qwen3RMSNorm."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

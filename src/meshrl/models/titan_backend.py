@@ -140,7 +140,15 @@ class TorchtitanBackend:
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
-            return self.model(tokens)
+            if self.attn_backend != "flex":
+                return self.model(tokens)
+            # torchtitan's FlexAttention needs a BlockMask on every call: plain causal (one document per row),
+            # built once per batch shape.
+            key = tuple(tokens.shape)
+            if getattr(self, "_causal_mask_key", None) != key:
+                rows = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+                self._causal_mask, self._causal_mask_key = self.model.get_attention_masks(rows), key
+            return self.model(tokens, attention_masks=self._causal_mask)
         if self.attn_backend == "sdpa":
             masks = document_causal_mask(positions)
         else:  # flex: torchtitan's block-causal document mask
