@@ -6,21 +6,28 @@ sample prompts → generate G completions each → score (+ DAPO overlong shapin
 whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
 (gradients accumulate; the loss is normalised over the whole step) → optim_step(lr from the schedule) →
 push/pull weights → log. The algorithm (GRPO, DAPO, Dr.GRPO, GSPO, CISPO, ...) is chosen by the `grpo.*` flags.
+A resumable checkpoint is written every `run.save_every` RL steps and at the end; `--run.resume latest` continues
+the run exactly where it was (same prompts, same samples, same updates).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from meshrl.advantages import compute_advantages
 from meshrl.algorithms import kl_penalties, step_loss_spec
+from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.steps import (
+    RunCheckpoints,
+    RunFailedError,
     attach_reference_logprobs,
     evaluate,
     micro_batches,
@@ -30,7 +37,7 @@ from meshrl.controller.steps import (
 from meshrl.models.qwen3 import create_random_checkpoint
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
-from meshrl.tasks import build_task
+from meshrl.tasks import Task, build_task
 from meshrl.types import Datum, OptimParams, SamplingParams
 
 
@@ -45,30 +52,107 @@ def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> 
     return (sum(diffs) / len(diffs), max(diffs)) if diffs else (0.0, 0.0)
 
 
+def rl_step(
+    ctl: Controller, cfg: GRPORunConfig, task: Task, rng: random.Random, sampling: SamplingParams, step: int
+) -> dict:
+    """One RL step, sampling through training and weight sync; returns its metrics record."""
+    g = cfg.grpo.group_size
+    t0 = time.perf_counter()
+    batch = sample_groups(ctl, task, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+    if not batch.completions:  # dynamic sampling found no group with a learning signal
+        return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
+    completions, rewards = batch.completions, batch.rewards
+    data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in completions]
+    if ctl.reference is not None:
+        attach_reference_logprobs(ctl, data, cfg.trainer.micro_batch_size, cfg.generator.temperature)
+        if cfg.grpo.kl_mode == "reward":
+            kl = kl_penalties(data, cfg.grpo.kl_estimator)
+            rewards = [r - cfg.grpo.kl_coef * k for r, k in zip(rewards, kl, strict=True)]
+    for d, a in zip(data, compute_advantages(cfg.grpo.advantage, rewards, g), strict=True):
+        d.advantage = a
+    t2 = time.perf_counter()
+
+    # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
+    loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens)
+    pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
+    results = [p.result() for p in pending]
+    lr = lr_at(
+        step,
+        peak_lr=cfg.optim.lr,
+        total_steps=cfg.grpo.steps,
+        schedule=cfg.optim.schedule,
+        warmup_steps=cfg.optim.warmup_steps,
+        min_lr_ratio=cfg.optim.min_lr_ratio,
+    )
+    opt = ctl.optim_step(
+        OptimParams(
+            lr=lr,
+            betas=cfg.optim.betas,
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            grad_clip=cfg.optim.grad_clip,
+        )
+    ).result()
+    t3 = time.perf_counter()
+
+    sync = ctl.sync_weights()
+    t4 = time.perf_counter()
+
+    mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
+    n_tokens = sum(len(d.tokens) for d in data)
+    token_means = {k: sum(r.metrics[k] for r in results) / loss.num_loss_tokens for k in results[0].metrics}
+    return {
+        "phase": "rl",
+        "step": step,
+        "policy_version": opt.policy_version,
+        "reward_mean": statistics.fmean(batch.task_rewards),  # every completion sampled this step
+        "reward_std": statistics.pstdev(batch.task_rewards),
+        "reward_trained_mean": statistics.fmean(rewards),  # the trained groups, after shaping
+        "loss": sum(r.loss for r in results),
+        "grad_norm": opt.grad_norm,
+        "lr": opt.lr,
+        "clip_frac": token_means.pop("clip_frac", 0.0),
+        **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
+        "logprob_diff_mean": mismatch_mean,
+        "logprob_diff_max": mismatch_max,
+        "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
+        "groups_trained": len(batch.examples),
+        "groups_dropped": batch.groups_dropped,
+        "prompts_drawn": batch.prompts_drawn,
+        "prompts": batch.drawn,  # indices into the training set, in draw order (kept or dropped)
+        "sampling_rounds": batch.rounds,
+        "tokens_per_s": n_tokens / (t4 - t0),
+        "time_generate_s": batch.time_generate_s,
+        "time_score_s": t2 - t0 - batch.time_generate_s,
+        "time_train_s": t3 - t2,
+        "time_weight_sync_s": t4 - t3,
+        "weight_sync_bytes": sync.bytes,
+    }
+
+
 def main(cfg: GRPORunConfig) -> dict:
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     task = build_task(cfg.task)
-    model_dir = cfg.model.path or str(
-        create_random_checkpoint(
-            run.path / "base_model", flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed
-        )
-    )
+    model_dir = cfg.model.path or str(run.path / "base_model")
+    if cfg.model.path is None and not Path(model_dir, "config.json").exists():  # a resumed run has it already
+        create_random_checkpoint(model_dir, flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed)
     print(
         f"[meshrl] run dir {run.path}\n[meshrl] starting {cfg.trainer.num_procs} trainer + "
         f"{cfg.generator.num_replicas} generator + 1 reward processes from {model_dir}"
     )
-    g, eval_tokens = cfg.grpo.group_size, cfg.run.eval_max_tokens or cfg.generator.max_tokens
+    eval_tokens = cfg.run.eval_max_tokens or cfg.generator.max_tokens
     sampling = SamplingParams(
         max_tokens=cfg.generator.max_tokens,
         temperature=cfg.generator.temperature,
         top_p=cfg.generator.top_p,
         top_k=cfg.generator.top_k,
-        n=g,
+        n=cfg.grpo.group_size,
         stop_token_ids=[task.tokenizer.eos_id],
     )
-    rng = random.Random(cfg.run.seed)
+    rng = random.Random(cfg.run.seed)  # the controller's only randomness: prompt draws and generation seeds
+    ckpts = RunCheckpoints("grpo", run, cfg)
 
-    with Controller(
+    ctl = Controller(
         model_dir=model_dir,
         model_cfg=cfg.model,
         trainer_cfg=cfg.trainer,
@@ -77,112 +161,60 @@ def main(cfg: GRPORunConfig) -> dict:
         reward_weights=task.reward_weights,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
-    ) as ctl:
+    )
+    with ctl, ckpts.resume_hint_on_failure():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
-        if cfg.warmup.steps:
-            print(
-                f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
-                "demonstrations (same forward_backward/optim_step endpoints), then RL"
-            )
-            supervised_warmup(
-                ctl,
-                task,
-                cfg.warmup,
-                micro_batch_size=cfg.trainer.micro_batch_size,
-                optim=cfg.optim,
-                seed=cfg.run.seed,
-                log=run.log,
-            )
-            ctl.sync_weights()
-        if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
-            ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
+        print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
+        # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
+        # never repeats either; it reloads the trainer, the RNG and the before-RL result.
+        if resumed := ckpts.restore(ctl):
+            start, before, ref_dir = resumed["step"], resumed["before_rl"], resumed["reference_model"]
+            set_rng_state(rng, resumed["rng"])
+            ctl.sync_weights()  # the generators sample from the resumed weights
+        else:
+            start = 0
+            if cfg.warmup.steps:
+                print(
+                    f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
+                    "demonstrations (same forward_backward/optim_step endpoints), then RL"
+                )
+                supervised_warmup(
+                    ctl,
+                    task,
+                    cfg.warmup,
+                    micro_batch_size=cfg.trainer.micro_batch_size,
+                    optim=cfg.optim,
+                    seed=cfg.run.seed,
+                    log=run.log,
+                )
+                ctl.sync_weights()
+            ref_dir = None
+            if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
+                ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
+            before = evaluate(ctl, task, task.eval, eval_tokens)
+            run.log({"phase": "eval", "when": "before_rl", **before})
+        if ref_dir is not None:
             ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
-        before = evaluate(ctl, task, task.eval, eval_tokens)
-        run.log({"phase": "eval", "when": "before_rl", **before})
         print(f"[meshrl] held-out exact match before RL: {before['accuracy']:.3f}")
 
-        bar = tqdm(range(cfg.grpo.steps), desc="GRPO", unit="step")
+        def checkpoint_state() -> dict:
+            return {"rng": rng_state(rng), "before_rl": before, "reference_model": ref_dir, "warmup_done": True}
+
+        bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            t0 = time.perf_counter()
-            batch = sample_groups(ctl, task, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
-            if not batch.completions:  # dynamic sampling found no group with a learning signal
-                run.log({"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn})
-                continue
-            completions, rewards = batch.completions, batch.rewards
-            data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in completions]
-            if ctl.reference is not None:
-                attach_reference_logprobs(ctl, data, cfg.trainer.micro_batch_size, cfg.generator.temperature)
-                if cfg.grpo.kl_mode == "reward":
-                    kl = kl_penalties(data, cfg.grpo.kl_estimator)
-                    rewards = [r - cfg.grpo.kl_coef * k for r, k in zip(rewards, kl, strict=True)]
-            for d, a in zip(data, compute_advantages(cfg.grpo.advantage, rewards, g), strict=True):
-                d.advantage = a
-            t2 = time.perf_counter()
-
-            # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
-            loss = step_loss_spec(
-                cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens
-            )
-            pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
-            results = [p.result() for p in pending]
-            lr = lr_at(
-                step,
-                peak_lr=cfg.optim.lr,
-                total_steps=cfg.grpo.steps,
-                schedule=cfg.optim.schedule,
-                warmup_steps=cfg.optim.warmup_steps,
-                min_lr_ratio=cfg.optim.min_lr_ratio,
-            )
-            opt = ctl.optim_step(
-                OptimParams(
-                    lr=lr,
-                    betas=cfg.optim.betas,
-                    eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay,
-                    grad_clip=cfg.optim.grad_clip,
-                )
-            ).result()
-            t3 = time.perf_counter()
-
-            sync = ctl.sync_weights()
-            t4 = time.perf_counter()
-
-            mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
-            n_tokens = sum(len(d.tokens) for d in data)
-            token_means = {k: sum(r.metrics[k] for r in results) / loss.num_loss_tokens for k in results[0].metrics}
-            record = {
-                "phase": "rl",
-                "step": step,
-                "policy_version": opt.policy_version,
-                "reward_mean": statistics.fmean(batch.task_rewards),  # every completion sampled this step
-                "reward_std": statistics.pstdev(batch.task_rewards),
-                "reward_trained_mean": statistics.fmean(rewards),  # the trained groups, after shaping
-                "loss": sum(r.loss for r in results),
-                "grad_norm": opt.grad_norm,
-                "lr": opt.lr,
-                "clip_frac": token_means.pop("clip_frac", 0.0),
-                **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
-                "logprob_diff_mean": mismatch_mean,
-                "logprob_diff_max": mismatch_max,
-                "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
-                "groups_trained": len(batch.examples),
-                "groups_dropped": batch.groups_dropped,
-                "prompts_drawn": batch.prompts_drawn,
-                "sampling_rounds": batch.rounds,
-                "tokens_per_s": n_tokens / (t4 - t0),
-                "time_generate_s": batch.time_generate_s,
-                "time_score_s": t2 - t0 - batch.time_generate_s,
-                "time_train_s": t3 - t2,
-                "time_weight_sync_s": t4 - t3,
-                "weight_sync_bytes": sync.bytes,
-            }
+            record = rl_step(ctl, cfg, task, rng, sampling, step)
             run.log(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{mismatch_max:.1e}")
+            if record["phase"] == "rl":
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{record['logprob_diff_max']:.1e}")
+            if stopped := ckpts.after_step(ctl, step + 1, cfg.grpo.steps, checkpoint_state):
+                return {"stopped_at": step + 1, "checkpoint": stopped, "run_dir": str(run.path)}
 
         after = evaluate(ctl, task, task.eval, eval_tokens)
         run.log({"phase": "eval", "when": "after_rl", **after})
+        last_ckpt = ckpts.save(ctl, cfg.grpo.steps, checkpoint_state())
         final_dir = ctl.export_hf(str(run.path / "final_model"))
 
+    # Over the whole run's metrics: a resumed run appended to the records of the run it continues.
     rl = [r for r in run.read_metrics() if r.get("phase") == "rl"]
     k = min(5, len(rl))
     first = statistics.fmean(r["reward_mean"] for r in rl[:k]) if rl else float("nan")
@@ -197,6 +229,7 @@ def main(cfg: GRPORunConfig) -> dict:
         "rl_steps": cfg.grpo.steps,
         "run_dir": str(run.path),
         "final_checkpoint": final_dir,
+        "resumable_checkpoint": last_ckpt,
         "metrics": str(run.metrics_path),
         "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")),
     }
@@ -207,7 +240,8 @@ def main(cfg: GRPORunConfig) -> dict:
     )
     print(
         f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
-        f"[meshrl] checkpoint: {final_dir} (HF format)\n[meshrl] summary:    {run.path / 'summary.json'}"
+        f"[meshrl] checkpoint: {final_dir} (HF format); {last_ckpt} (resumable)\n"
+        f"[meshrl] summary:    {run.path / 'summary.json'}"
     )
     return summary
 
@@ -215,4 +249,7 @@ def main(cfg: GRPORunConfig) -> dict:
 if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config
 
-    main(parse_run_config(GRPORunConfig, description=__doc__))
+    try:
+        main(parse_run_config(GRPORunConfig, description=__doc__))
+    except RunFailedError as e:
+        sys.exit(f"[meshrl] {e}")

@@ -17,18 +17,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from meshrl.checkpoint import TRAINER_DIR, CheckpointManager, read_controller_state, resolve_resume, resume_command
 from meshrl.config import SFTRunConfig
 from meshrl.controller.api import Controller
-from meshrl.controller.steps import (
-    RunFailedError,
-    eval_nll,
-    evaluate,
-    fail_with_resume_hint,
-    micro_batches,
-    pad_rows,
-    save_run_checkpoint,
-)
+from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, micro_batches, pad_rows
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
 from meshrl.models.qwen3 import create_random_checkpoint, read_hf_config
 from meshrl.run_dir import RunDir
@@ -81,7 +72,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             print(f"[meshrl] {name} data {ds.source}: skipped {sum(ds.skipped.values())} bad rows: {dict(ds.skipped)}")
     is_task_eval = held_out is not None and eval_rows is None and cfg.data.eval == "task"
     generate_eval = cfg.sft.eval_generate and is_task_eval
-    ckpts = CheckpointManager(run.path, cfg.run.keep_last_n)
+    ckpts = RunCheckpoints("sft", run, cfg)
     sampler, start = EpochSampler(len(train), seed=cfg.data.shuffle_seed), 0
     steps_per_epoch = len(train) / cfg.sft.batch_size
     total = cfg.sft.max_steps
@@ -94,7 +85,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}"
     )
 
-    with Controller(
+    ctl = Controller(
         model_dir=model_dir,
         model_cfg=cfg.model,
         trainer_cfg=cfg.trainer,
@@ -103,15 +94,12 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         reward_weights=task.reward_weights if generate_eval else None,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
-    ) as ctl:
+    )
+    with ctl, ckpts.resume_hint_on_failure():
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
-        if cfg.run.resume:
-            ckpt = resolve_resume(cfg.run.resume, run.path)
-            state = read_controller_state(ckpt)
-            ctl.load_checkpoint(str(ckpt / TRAINER_DIR))
-            sampler, start = EpochSampler.from_state(len(train), state["sampler"]), state["step"]
-            run.truncate_metrics(state["metrics_lines"])
-            print(f"[meshrl] resumed from {ckpt} at step {start} (epoch {sampler.epochs_done:.2f})")
+        if resumed := ckpts.restore(ctl):  # trainer model + optimiser; the data cursor below
+            sampler, start = EpochSampler.from_state(len(train), resumed["sampler"]), resumed["step"]
+            print(f"[meshrl] data: epoch {sampler.epochs_done:.2f}")
 
         def run_eval(step: int) -> dict:
             record: dict[str, Any] = {"phase": "eval", "step": step}
@@ -123,67 +111,57 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             run.log(record)
             return record
 
-        try:
-            bar = tqdm(range(start, total), desc="SFT", unit="step", initial=start, total=total)
-            for step in bar:
-                t0 = time.perf_counter()
-                indices = sampler.next_indices(cfg.sft.batch_size)
-                if cfg.data.pack:
-                    rows = pack_examples([train.examples[i] for i in indices], pack_len)
-                    data = pad_rows(rows, dp, task.tokenizer.pad_id)
-                else:
-                    data = to_data(train, indices)
-                loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-                pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
-                train_loss = sum(p.result().loss for p in pending)
-                lr = lr_at(
-                    step,
-                    peak_lr=cfg.optim.lr,
-                    total_steps=total,
-                    schedule=cfg.optim.schedule,
-                    warmup_steps=cfg.optim.warmup_steps,
-                    min_lr_ratio=cfg.optim.min_lr_ratio,
+        bar = tqdm(range(start, total), desc="SFT", unit="step", initial=start, total=total)
+        for step in bar:
+            t0 = time.perf_counter()
+            indices = sampler.next_indices(cfg.sft.batch_size)
+            if cfg.data.pack:
+                rows = pack_examples([train.examples[i] for i in indices], pack_len)
+                data = pad_rows(rows, dp, task.tokenizer.pad_id)
+            else:
+                data = to_data(train, indices)
+            loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+            pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
+            train_loss = sum(p.result().loss for p in pending)
+            lr = lr_at(
+                step,
+                peak_lr=cfg.optim.lr,
+                total_steps=total,
+                schedule=cfg.optim.schedule,
+                warmup_steps=cfg.optim.warmup_steps,
+                min_lr_ratio=cfg.optim.min_lr_ratio,
+            )
+            opt = ctl.optim_step(
+                OptimParams(
+                    lr=lr,
+                    betas=cfg.optim.betas,
+                    eps=cfg.optim.eps,
+                    weight_decay=cfg.optim.weight_decay,
+                    grad_clip=cfg.optim.grad_clip,
                 )
-                opt = ctl.optim_step(
-                    OptimParams(
-                        lr=lr,
-                        betas=cfg.optim.betas,
-                        eps=cfg.optim.eps,
-                        weight_decay=cfg.optim.weight_decay,
-                        grad_clip=cfg.optim.grad_clip,
-                    )
-                ).result()
-                run.log(
-                    {
-                        "phase": "sft",
-                        "step": step,
-                        "loss": train_loss,
-                        "grad_norm": opt.grad_norm,
-                        "lr": lr,
-                        "epoch": sampler.epochs_done,
-                        "policy_version": opt.policy_version,
-                        "rows": len(data),
-                        "tokens_per_s": sum(len(d.tokens) for d in data) / (time.perf_counter() - t0),
-                    }
-                )
-                bar.set_postfix(loss=f"{train_loss:.4f}")
-                done = step + 1
-                if cfg.sft.eval_every and done % cfg.sft.eval_every == 0 and done < total:
-                    run_eval(done)
-                if cfg.run.save_every and done % cfg.run.save_every == 0 and done < total:
-                    save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
-                if cfg.run.stop_at_step == done and done < total:
-                    stopped = save_run_checkpoint(ctl, ckpts, done, {"sampler": sampler.state()}, run)
-                    print(
-                        f"[meshrl] stopped at step {done} (run.stop_at_step); checkpoint {stopped}\n"
-                        f"  resume with: {resume_command('sft', Path(stopped))}"
-                    )
-                    return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
-            final_eval = run_eval(total)
-            last_ckpt = save_run_checkpoint(ctl, ckpts, total, {"sampler": sampler.state()}, run)
-            final_dir = ctl.export_hf(str(run.path / "final_model"))
-        except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
-            raise fail_with_resume_hint("sft", e, ckpts) from e
+            ).result()
+            run.log(
+                {
+                    "phase": "sft",
+                    "step": step,
+                    "loss": train_loss,
+                    "grad_norm": opt.grad_norm,
+                    "lr": lr,
+                    "epoch": sampler.epochs_done,
+                    "policy_version": opt.policy_version,
+                    "rows": len(data),
+                    "tokens_per_s": sum(len(d.tokens) for d in data) / (time.perf_counter() - t0),
+                }
+            )
+            bar.set_postfix(loss=f"{train_loss:.4f}")
+            done = step + 1
+            if cfg.sft.eval_every and done % cfg.sft.eval_every == 0 and done < total:
+                run_eval(done)
+            if stopped := ckpts.after_step(ctl, done, total, lambda: {"sampler": sampler.state()}):
+                return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
+        final_eval = run_eval(total)
+        last_ckpt = ckpts.save(ctl, total, {"sampler": sampler.state()})
+        final_dir = ctl.export_hf(str(run.path / "final_model"))
 
     summary = {
         "steps": total,

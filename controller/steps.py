@@ -1,17 +1,30 @@
 """Building blocks shared by the controller programs: micro-batching, greedy evaluation, supervised warm-up,
-RL sampling (with DAPO's dynamic sampling) and reference-model logprobs."""
+resumable run checkpoints, RL sampling (with DAPO's dynamic sampling) and reference-model logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 from meshrl.algorithms import informative_groups, overlong_penalty
-from meshrl.checkpoint import TRAINER_DIR, CheckpointManager, resume_command
+from meshrl.checkpoint import (
+    TRAINER_DIR,
+    CheckpointManager,
+    config_changes,
+    read_controller_state,
+    resolve_resume,
+    resume_command,
+)
 from meshrl.controller.api import ActorDiedError, Controller
+from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
 from meshrl.tasks import Example, Task
 from meshrl.types import Completion, Datum, LossSpec, OptimParams, SamplingParams
@@ -84,31 +97,83 @@ def eval_nll(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: int)
     return total / sum(d.num_loss_tokens for d in data)
 
 
-def save_run_checkpoint(ctl: Controller, ckpts: CheckpointManager, step: int, controller_state: dict, run) -> str:
-    """Trainer state (DCP, every rank) + controller state, committed atomically as checkpoints/step_<step>."""
-    tmp = ckpts.begin(step)
-    ctl.save_checkpoint(str(tmp / TRAINER_DIR))
-    state = {
-        **controller_state,
-        "step": step,
-        "policy_version": ctl.policy_version,
-        "metrics_lines": run.num_metric_lines(),
-    }
-    return str(ckpts.commit(tmp, step, state))
-
-
 class RunFailedError(RuntimeError):
     """The run cannot continue; the message names the last good checkpoint and the command to resume."""
 
 
-def fail_with_resume_hint(program: str, error: BaseException, ckpts: CheckpointManager) -> RunFailedError:
-    latest = ckpts.latest()
-    kind = "an actor process died" if isinstance(error, ActorDiedError) else type(error).__name__
-    return RunFailedError(
-        f"run failed ({kind}): {error}\n"
-        f"  last good checkpoint: {latest or 'none yet'}\n"
-        f"  resume with: {resume_command(program, latest)}"
-    )
+class RunCheckpoints:
+    """A program's resumable checkpoints (shared by `sft` and `grpo`): restore on `--run.resume`, save every
+    `run.save_every` steps, at `run.stop_at_step` and at the end, and turn any failure into a message that names
+    the last good checkpoint and the command resuming from it.
+
+    A checkpoint (meshrl.checkpoint) holds the trainer's model + optimiser (DCP, every rank), and the
+    controller's state: the program's own (data cursor, RNG, ...) plus the step, policy version, the number of
+    metrics lines written so far (a resumed run drops later ones and appends) and the config."""
+
+    def __init__(self, program: str, run: RunDir, cfg: Any) -> None:
+        self.program, self.run, self.cfg = program, run, cfg
+        self.manager = CheckpointManager(run.path, cfg.run.keep_last_n)
+        # Started as `python -m meshrl.controller.<program> FLAGS`: the resume command repeats FLAGS.
+        self.flags = sys.argv[1:] if Path(sys.argv[0]).stem == program else None
+
+    def restore(self, ctl: Controller) -> dict[str, Any] | None:
+        """Load the checkpoint named by `run.resume` into the trainer; its controller state (None: a fresh run)."""
+        if not self.cfg.run.resume:
+            return None
+        ckpt = resolve_resume(self.cfg.run.resume, self.run.path)
+        state = read_controller_state(ckpt)
+        ctl.load_checkpoint(str(ckpt / TRAINER_DIR))
+        self.run.truncate_metrics(state["metrics_lines"])
+        changed = config_changes(state.get("config", {}), _as_json(self.cfg))
+        if changed:
+            print(f"[meshrl] note: resuming with a config that differs from the checkpoint's: {'; '.join(changed)}")
+        print(f"[meshrl] resumed from {ckpt} at step {state['step']} (policy version {ctl.policy_version})")
+        return state
+
+    def save(self, ctl: Controller, step: int, state: dict[str, Any]) -> str:
+        """Trainer state + controller state, committed atomically as checkpoints/step_<step>."""
+        tmp = self.manager.begin(step)
+        ctl.save_checkpoint(str(tmp / TRAINER_DIR))
+        full = {
+            **state,
+            "step": step,
+            "policy_version": ctl.policy_version,
+            "metrics_lines": self.run.num_metric_lines(),
+            "config": _as_json(self.cfg),
+        }
+        return str(self.manager.commit(tmp, step, full))
+
+    def after_step(self, ctl: Controller, done: int, total: int, state: Callable[[], dict[str, Any]]) -> str | None:
+        """Call after step `done` (1-based) of `total`: saves when `run.save_every` says so. At `run.stop_at_step`
+        it saves and returns the checkpoint: the caller stops there, as a preempted job would."""
+        stop = self.cfg.run.stop_at_step == done and done < total
+        every = self.cfg.run.save_every
+        if not (stop or (every and done % every == 0 and done < total)):
+            return None
+        path = self.save(ctl, done, state())
+        if not stop:
+            return None
+        print(f"[meshrl] stopped at step {done} (run.stop_at_step); checkpoint {path}")
+        print(f"  resume with: {resume_command(self.program, Path(path), self.flags)}")
+        return path
+
+    @contextmanager
+    def resume_hint_on_failure(self) -> Iterator[None]:
+        """Any failure inside ends the run with RunFailedError naming the last good checkpoint."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
+            latest = self.manager.latest()
+            kind = "an actor process died" if isinstance(e, ActorDiedError) else type(e).__name__
+            raise RunFailedError(
+                f"run failed ({kind}): {e}\n"
+                f"  last good checkpoint: {latest or 'none yet'}\n"
+                f"  resume with: {resume_command(self.program, latest, self.flags)}"
+            ) from e
+
+
+def _as_json(cfg: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
 @dataclass
@@ -116,6 +181,7 @@ class SampledGroups:
     """What one RL step trains on, group by group (`group_size` completions per example)."""
 
     examples: list[Example]
+    drawn: list[int]  # indices into task.train of every prompt drawn this step, in order (kept or dropped)
     completions: list[Completion]
     rewards: list[float]  # per completion: task reward + overlong shaping (what advantages are computed from)
     task_rewards: list[float]  # the task reward of EVERY completion generated this step (kept or dropped)
@@ -133,13 +199,18 @@ def sample_groups(
     With `cfg.dynamic_sampling`, groups whose rewards are all equal are dropped and refilled from new prompts
     (prompts_per_step more per round, at most `cfg.max_sampling_rounds` rounds): the result never holds an
     all-equal group. If the rounds run out it holds fewer groups, trimmed to a count the `dp` trainer ranks can
-    split (possibly none)."""
+    split (possibly none).
+
+    `rng` is all the randomness: it draws the prompts and each round's generation seed (the engines derive
+    every sample's noise from it), so restoring `rng` reproduces the step exactly — e.g. after a resume."""
     g, want = cfg.group_size, cfg.prompts_per_step
-    out = SampledGroups([], [], [], [], 0, 0, 0, 0.0, 0.0)
+    out = SampledGroups([], [], [], [], [], 0, 0, 0, 0.0, 0.0)
     while len(out.examples) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-        examples = rng.sample(task.train, want)
+        picks = rng.sample(range(len(task.train)), want)
+        examples = [task.train[i] for i in picks]
+        seeded = dataclasses.replace(sampling, seed=rng.getrandbits(32))
         t0 = time.perf_counter()
-        completions = [c for group in ctl.generate(task.prompt_ids(examples), sampling).result() for c in group]
+        completions = [c for group in ctl.generate(task.prompt_ids(examples), seeded).result() for c in group]
         t1 = time.perf_counter()
         answers = [e.answer for e in examples for _ in range(g)]
         task_rewards = [s.reward for s in ctl.score([c.token_ids for c in completions], answers).result()]
@@ -156,6 +227,7 @@ def sample_groups(
             out.completions += completions[i * g : (i + 1) * g]
             out.rewards += rewards[i * g : (i + 1) * g]
         out.task_rewards += task_rewards
+        out.drawn += picks
         out.prompts_drawn += len(examples)
         out.rounds += 1
         out.groups_dropped += len(examples) - len(keep)

@@ -126,3 +126,30 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(tmp_pat
     assert "an actor process died" in err, err[-2000:]
     assert re.search(r"last good checkpoint: .*checkpoints/step_\d{8}", err), err[-2000:]
     assert "--run.resume latest" in err and "--run.name killme" in err
+
+
+def test_resume_command_repeats_the_run_flags_and_rng_state_round_trips_through_json(tmp_path):
+    import random
+
+    from meshrl.checkpoint import config_changes, resume_command, rng_state, set_rng_state
+
+    ckpt = tmp_path / "runs" / "r1" / "checkpoints" / "step_00000004"
+    flags = ["--preset", "tiny-reverse", "--run.name", "old", "--run.output-dir=/x", "--grpo.steps", "6"]
+    flags += ["--run.stop-at-step", "2", "--grpo.dynamic-sampling", "--run.resume", "latest", "--optim.lr", "-1e-3"]
+    assert resume_command("grpo", ckpt, flags) == (
+        "python -m meshrl.controller.grpo --preset tiny-reverse --grpo.steps 6 --grpo.dynamic-sampling "
+        f"--optim.lr -1e-3 --run.output-dir {tmp_path / 'runs'} --run.name r1 --run.resume latest"
+    )
+    assert "no checkpoint" in resume_command("grpo", None, flags)
+
+    rng = random.Random(3)
+    rng.random()
+    saved = json.loads(json.dumps(rng_state(rng)))
+    want = [rng.random() for _ in range(5)]
+    other = random.Random(0)
+    set_rng_state(other, saved)
+    assert [other.random() for _ in range(5)] == want
+
+    old = {"grpo": {"steps": 6}, "run": {"name": "a"}, "task": {"reward_weights": {"char_match": 1.0}}}
+    new = {"grpo": {"steps": 8}, "run": {"name": "b"}, "task": {"reward_weights": {"char_match": 1.0}}}
+    assert config_changes(old, new) == ["grpo.steps: 6 -> 8"]  # run.* (placement, resume, saving) may differ

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -97,11 +99,55 @@ def resolve_resume(resume: str, run_path: Path) -> Path:
     return found
 
 
-def resume_command(program: str, checkpoint: Path | None) -> str:
+# Flags that say where a run lives and whether it stops early: the resume command sets its own.
+_RUN_PLACEMENT_FLAGS = ("--run.output-dir", "--run.name", "--run.resume", "--run.stop-at-step")
+
+
+def resume_command(program: str, checkpoint: Path | None, flags: list[str] | None = None) -> str:
+    """The command that continues the run of `checkpoint`. `flags`: the command-line flags the run was started
+    with (repeated, so the resumed run has the same config), without the run's placement."""
     if checkpoint is None:
         return "(no checkpoint was written yet: rerun from the start)"
     run_dir = checkpoint.parent.parent
-    return (
-        f"python -m meshrl.controller.{program} --run.output-dir {run_dir.parent} --run.name {run_dir.name} "
-        f"--run.resume latest"
+    kept, args = [], list(flags or [])
+    while args:
+        arg = args.pop(0)
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if name in _RUN_PLACEMENT_FLAGS:
+            if "=" not in arg and args and not args[0].startswith("--"):
+                args.pop(0)  # its value
+            continue
+        kept.append(arg)
+    return shlex.join(
+        ["python", "-m", f"meshrl.controller.{program}", *kept]
+        + ["--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name, "--run.resume", "latest"]
     )
+
+
+def rng_state(rng: random.Random) -> list:
+    """A `random.Random`'s state as JSON-able lists (`set_rng_state` restores it exactly)."""
+    version, internal, gauss_next = rng.getstate()
+    return [version, list(internal), gauss_next]
+
+
+def set_rng_state(rng: random.Random, state: list) -> None:
+    version, internal, gauss_next = state
+    rng.setstate((version, tuple(internal), gauss_next))
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any], ignore: tuple[str, ...] = ("run.",)) -> list[str]:
+    """'field: saved -> current' for every config field that differs (nested dicts flattened to dotted names),
+    except those under the `ignore` prefixes."""
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(current)
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k) and not k.startswith(ignore)
+    ]
