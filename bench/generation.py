@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import pickle
 import tempfile
@@ -166,6 +167,13 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
         out = engine.generate(prompts, greedy, 0)
         return [c[0].token_ids for c in out], [c[0].logprobs for c in out]
 
+    def stage(name: str, fn) -> None:  # one failing stage must not lose the others' results
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        print(f"ipc check after {name}: {res}", flush=True)
+
     def load(version: int) -> float:
         t0 = time.perf_counter()
         r = engine.llm.collective_rpc(_ipc_load_in_worker, args=(pickle.dumps(handle), version))
@@ -176,37 +184,39 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
         return dt
 
     before_tok, before_lp = run()
-    # 1) the worker extension's IPC load, the handle pickled to bytes
-    sender.publish(sd_b, 1)
-    res["first_load_s"] = load(1)  # opens the IPC handle
-    b_tok, _ = run()
-    res["b_differs"] = b_tok != before_tok
-    times = []
-    for v in range(2, 8):
-        sender.publish(sd_a, v)
-        times.append(load(v))
-    res["load_s_median"] = median(times)
-    res["load_s_all"] = times
-    a_tok, a_lp = run()
-    res["a_again_tokens_equal"] = a_tok == before_tok
-    res["a_again_logprob_max_abs_diff"] = max(
-        abs(x - y) for r1, r2 in zip(a_lp, before_lp, strict=True) for x, y in zip(r1, r2, strict=True)
-    )
-    # 2) the host path (VLLMEngine.load_weights: tensors to CPU, through the RPC), once each way
-    t0 = time.perf_counter()
-    engine.load_weights(sd_b)
-    res["host_load_weights_s"] = time.perf_counter() - t0
-    engine.load_weights(sd_a)
-    res["host_a_again_tokens_equal"] = run()[0] == before_tok
-    # 3) the project's entry point as it is (the handle object as an argument of collective_rpc), last
-    sender.publish(sd_a, 8)
-    try:
+
+    def ipc() -> None:  # 1) the worker extension's IPC load, the handle pickled to bytes
+        sender.publish(sd_b, 1)
+        res["first_load_s"] = load(1)  # opens the IPC handle
+        res["b_differs"] = run()[0] != before_tok
+        times = []
+        for v in range(2, 8):
+            sender.publish(sd_a, v)
+            times.append(load(v))
+        res["load_s_median"] = median(times)
+        res["load_s_all"] = times
+        a_tok, a_lp = run()
+        res["a_again_tokens_equal"] = a_tok == before_tok
+        res["a_again_logprob_max_abs_diff"] = max(
+            abs(x - y) for r1, r2 in zip(a_lp, before_lp, strict=True) for x, y in zip(r1, r2, strict=True)
+        )
+
+    def as_is() -> None:  # 2) the project's entry point as it is (the handle object through collective_rpc)
+        sender.publish(sd_b, 8)
         t0 = time.perf_counter()
         engine.load_weights_ipc(handle, 8)
-        res["load_weights_ipc_as_is"] = f"ok in {time.perf_counter() - t0:.3f}s"
-        res["as_is_tokens_equal"] = run()[0] == before_tok
-    except Exception as e:  # noqa: BLE001 - record why
-        res["load_weights_ipc_as_is"] = f"FAILED: {type(e).__name__}: {str(e)[:600]}"
+        res["load_weights_ipc_as_is_s"] = time.perf_counter() - t0
+        res["as_is_b_differs"] = run()[0] != before_tok
+
+    def host() -> None:  # 3) the host path (VLLMEngine.load_weights: tensors to CPU, through the RPC)
+        t0 = time.perf_counter()
+        engine.load_weights(sd_a)
+        res["host_load_weights_s"] = time.perf_counter() - t0
+        res["host_a_tokens_equal"] = run()[0] == before_tok
+
+    stage("ipc", ipc)
+    stage("as_is", as_is)
+    stage("host", host)
     sender.close()
     print(f"ipc check: {res}", flush=True)
     return res
@@ -248,6 +258,15 @@ def main() -> None:
     payload = {"env": environment(), "prompt": args.prompt, "new": args.new, "copy_bw_Bps": bw, "results": results}
 
     variants = [v for v in args.variants.split(",") if v]
+    from safetensors import safe_open
+
+    weight_bytes = 0  # what a decode step reads (tied embedding counted once)
+    for f in os.listdir(model_dir):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, f), "pt") as sf:
+                weight_bytes += sum(
+                    2 * math.prod(sf.get_slice(k).get_shape()) for k in sf.keys() if k != "lm_head.weight"
+                )
     step = args.len_bucket_step
     for variant in variants:
         attn, _, norm = variant.partition("+")

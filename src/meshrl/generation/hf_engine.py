@@ -150,7 +150,7 @@ def _decode_kernel():
         Q, K, V, POS, OUT, LSE, scale,
         sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh, sos, slb, slh,
         CHUNK, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -173,14 +173,20 @@ def _decode_kernel():
             n = n0 + offs_n
             nmask = n < end
             k = tl.load(kbase + n[:, None] * skn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * scale
+            if IEEE:  # float32 engines: no TF32 rounding in the dots
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                qk = tl.dot(q, tl.trans(k)) * scale
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vbase + n[:, None] * svn + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -222,6 +228,7 @@ def decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0) if split > 1 else 0, lse.stride(1) if split > 1 else 0, chunk,
         G=G, D=D, BLOCK_G=max(16, triton_next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if split == 1:
