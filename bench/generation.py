@@ -238,6 +238,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="time single decode-graph replays (largest batch)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM (VLLMEngine), last, in the same run")
     ap.add_argument("--vllm-gpu-mem", type=float, default=0.6)
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM without compile/CUDA graphs (fast start)")
     ap.add_argument("--ipc-check", action="store_true", help="with --vllm: vLLM's CUDA-IPC weight load")
     args = ap.parse_args()
     if args.tiny:
@@ -367,7 +368,7 @@ def run_vllm(args, model_dir, prompts, batches, cfg, weight_bytes, bw, dev, resu
     engine = VLLMEngine(
         model_dir, dtype="bfloat16", max_model_len=args.prompt + args.new,
         kv_cache_memory_bytes=None if dev.type == "cuda" else 64 * 2**20,
-        gpu_memory_utilization=args.vllm_gpu_mem, enforce_eager=dev.type != "cuda", seed=0,
+        gpu_memory_utilization=args.vllm_gpu_mem, enforce_eager=dev.type != "cuda" or args.vllm_eager, seed=0,
     )  # fmt: skip
     import vllm
 
