@@ -2,11 +2,19 @@
 
 One engine is started for the whole module (start-up dominates the cost). The weight-update test restores the
 original weights before it returns, so test order does not matter.
+
+That engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the CPU default here), where
+`collective_rpc` args are passed as they are. One test starts a multiprocess engine in a fresh interpreter (the
+GPU default: args cross to the engine-core process as untyped msgpack, then pickled to the worker process) so
+the weight loads go through the real serialisation path.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +23,7 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from meshrl.generation.vllm_engine import VLLMEngine  # noqa: E402
+from meshrl.generation.vllm_worker_ext import decode_object, decode_weights, encode_object, encode_weights  # noqa: E402
 from meshrl.types import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
@@ -277,3 +286,122 @@ def test_validation_errors(setup):
     # the engine still works after rejected calls
     (c,) = engine.generate([[3, 4]], SamplingParams(max_tokens=2, temperature=0.0), 0)[0]
     assert len(c.token_ids) >= 1
+
+
+# ---- collective_rpc payloads: what survives vLLM's multiprocess engine ------------------------------------------
+
+
+def _untyped_msgpack_roundtrip(args: tuple) -> list:
+    """What a multiprocess engine core receives for `collective_rpc(method, args=args)`: the utility call goes
+    through vLLM's MsgpackEncoder and an untyped MsgpackDecoder."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    frames = MsgpackEncoder().encode((0, 1, "collective_rpc", ("m", None, args, None)))
+    return MsgpackDecoder().decode(frames)[3][2]
+
+
+def test_weight_payload_round_trips_exactly_through_untyped_msgpack():
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 32, generator=g)
+    weights = {
+        "bf16": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(3, generator=g),
+        "fp16.t": torch.randn(4, 6, generator=g).half().t(),  # non-contiguous
+        "int": torch.arange(10, dtype=torch.int64),
+        "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+        "view": big[10:12],  # a view of a larger storage: only its own bytes travel
+    }
+    blobs = encode_weights(weights.items(), chunk_bytes=200)  # small chunks: several blobs, one tensor each
+    assert len(blobs) > 1 and all(isinstance(b, bytes) for b in blobs)
+    assert sum(map(len, blobs)) < big.numel() * 4  # the view did not drag its whole storage along
+    (received,) = _untyped_msgpack_roundtrip((blobs,))
+    got = list(decode_weights(received))
+    assert [n for n, _ in got] == list(weights)
+    for (_, t), ref in zip(got, weights.values(), strict=True):
+        assert t.dtype == ref.dtype and t.shape == ref.shape and t.device.type == "cpu"
+        assert torch.equal(t, ref)
+    assert len(encode_weights(weights.items())) == 1  # default chunking: one blob for a small model
+    # Already-decoded pairs (a caller inside the worker) pass through unchanged.
+    assert list(decode_weights(weights.items())) == list(weights.items())
+
+    # The bug this guards against: raw tensors do not survive the same trip.
+    (raw,) = _untyped_msgpack_roundtrip(([("bf16", weights["bf16"])],))
+    assert not isinstance(raw[0][1], torch.Tensor)
+
+
+def test_ipc_handle_round_trips_through_untyped_msgpack():
+    from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcSender
+
+    sd = {"a": torch.randn(4, 4).to(torch.bfloat16), "b": torch.arange(3)}
+    sender = CudaIpcSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
+    try:
+        handle = sender.handle()
+        blob, version = _untyped_msgpack_roundtrip((encode_object(handle), 4))
+        got = decode_object(blob)
+        assert isinstance(got, CudaIpcHandle) and got == handle and version == 4
+        assert got.layout.specs[0].dtype == "bfloat16" and got.buffer[0] == "shm"
+        assert decode_object(handle) is handle  # an unencoded handle passes through
+        (dict_handle, _) = _untyped_msgpack_roundtrip((handle, 4))
+        assert isinstance(dict_handle, dict)  # the bug: a dataclass arrives as a dict
+    finally:
+        sender.close()
+
+
+def _multiprocess_child(model_dir: str, workdir: str) -> None:
+    """Runs in a fresh interpreter with VLLM_ENABLE_V1_MULTIPROCESSING=1 (see the test below)."""
+    from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+
+    data = torch.load(os.path.join(workdir, "in.pt"))
+    engine = VLLMEngine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20)
+    out: dict = {"client": type(engine.llm.llm_engine.engine_core).__name__}
+    seqs = data["seqs"]
+    out["a0"] = engine.prompt_logprobs(seqs)
+    engine.load_weights(data["sd_b"])  # host path: tensors through collective_rpc
+    out["b_host"] = engine.prompt_logprobs(seqs)
+    sender = CudaIpcSender.for_state_dict(data["sd_a"], "cpu", dtype=torch.float32)  # 'shm' transport
+    try:
+        sender.publish(data["sd_a"], 5)
+        out["v_latest"] = engine.load_weights_ipc(sender.handle())
+        out["a_ipc"] = engine.prompt_logprobs(seqs)
+        sender.publish(data["sd_b"], 6)
+        out["v_6"] = engine.load_weights_ipc(sender.handle(), 6)
+        out["b_ipc"] = engine.prompt_logprobs(seqs)
+    finally:
+        sender.close()
+        engine.shutdown()
+    torch.save(out, os.path.join(workdir, "out.pt"))
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_loads_weights_through_collective_rpc(setup, tmp_path):
+    """A multiprocess engine (engine core and worker in their own processes, as on GPU): `load_weights` and
+    `load_weights_ipc` over the 'shm' shared buffer both reach the worker intact and change its logprobs."""
+    engine, model_a, eos = setup
+    model_b = _make_model(1, eos_token_id=eos)
+    tied = lambda m: {k: v for k, v in m.state_dict().items() if k != "lm_head.weight"}  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    seqs = [[5, 6, 7, 8, 9, 10, 11], torch.randint(0, VOCAB, (40,), generator=g).tolist()]
+    torch.save({"sd_a": tied(model_a), "sd_b": tied(model_b), "seqs": seqs}, tmp_path / "in.pt")
+    ref_a = [_hf_logprobs(model_a, s[:1], s[1:]) for s in seqs]
+    ref_b = [_hf_logprobs(model_b, s[:1], s[1:]) for s in seqs]
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys; sys.path.insert(0, {here!r}); import test_vllm_engine as t; t._multiprocess_child(*sys.argv[1:])"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, engine.model_dir, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["client"] == "SyncMPClient"  # really the multiprocess engine
+    assert (out["v_latest"], out["v_6"]) == (5, 6)
+    for key, ref in (("a0", ref_a), ("b_host", ref_b), ("a_ipc", ref_a), ("b_ipc", ref_b)):
+        for lp, r in zip(out[key], ref, strict=True):
+            torch.testing.assert_close(torch.tensor(lp), r, atol=ATOL, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    assert max(abs(x - y) for x, y in zip(out["a0"][1], out["b_host"][1], strict=True)) > 0.1

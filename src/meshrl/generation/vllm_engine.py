@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
 from meshrl.types import Completion, SamplingParams
 
 # These must be in the environment before vLLM is imported (and read), hence module level, and setdefault so
@@ -271,12 +272,12 @@ class VLLMEngine:
         """
         if not state_dict:
             raise ValueError("load_weights got an empty state dict")
-        weights = [
-            (name, t.detach().to(device="cpu", dtype=self.torch_dtype).contiguous()) for name, t in state_dict.items()
-        ]
-        counts = self.llm.collective_rpc(_UPDATE_METHOD, args=(weights,))
-        if any(c != len(weights) for c in counts):
-            raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {len(weights)}")
+        n = len(state_dict)
+        blobs = encode_weights((name, t.to(dtype=self.torch_dtype)) for name, t in state_dict.items())
+        # Pickled bytes, not tensors: multiprocess engines send collective_rpc args as msgpack without types.
+        counts = self.llm.collective_rpc(_UPDATE_METHOD, args=(blobs,))
+        if any(c != n for c in counts):
+            raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
         self.llm.reset_prefix_cache()
 
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
@@ -284,7 +285,9 @@ class VLLMEngine:
         /dev/shm backing): each worker opens `handle` once and copies GPU to GPU, with no trip through host
         memory. Loads `version` (None: the latest published) and returns the version loaded."""
         n = len(handle.layout.specs)
-        results = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(handle, version))
+        version = None if version is None else int(version)
+        # Pickled bytes, not the dataclass: multiprocess engines send collective_rpc args as msgpack without types.
+        results = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(encode_object(handle), version))
         versions, counts = {v for v, _ in results}, [c for _, c in results]
         if any(c != n for c in counts):
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
