@@ -9,6 +9,7 @@ timeout, so a dead actor fails the run instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -261,7 +262,9 @@ class Controller:
         self._need("generators", self.generators)
         shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
         futures = [
-            self.generators.slice(procs=i).generate.call_one(shard, params, self.policy_version)
+            self.generators.slice(procs=i).generate.call_one(
+                shard, self._replica_params(params, i, len(prompts)), self.policy_version
+            )
             for i, shard in enumerate(shards)
             if shard
         ]
@@ -273,6 +276,14 @@ class Controller:
             return out
 
         return Pending(futures, interleave, self.timeout_s, "generate")
+
+    @staticmethod
+    def _replica_params(params: SamplingParams, replica: int, num_prompts: int) -> SamplingParams:
+        """Engines give sample j of their prompt i the seed params.seed + i·n + j; offset the seed per replica
+        by the size of the whole call so that no two replicas draw the same noise."""
+        if params.seed is None or replica == 0:
+            return params
+        return dataclasses.replace(params, seed=params.seed + replica * num_prompts * params.n)
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
         """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
@@ -298,13 +309,21 @@ class Controller:
                 asyncio.run(asyncio.wait_for(shutdown_weight_store(), timeout))
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
-        # Consumers first, the trainer last: generators still map the trainer's weight buffer (CUDA IPC warns
-        # when the producing process exits before them).
-        for procs in reversed(self._procs):
-            try:
-                procs.stop().get(timeout=timeout)
-            except Exception:  # noqa: BLE001 - best effort: the processes may already be gone
-                pass
+        # Consumers first (all at once), the trainer last: generators still map the trainer's weight buffer
+        # (CUDA IPC warns when the producing process exits before them).
+        trainer_procs, *consumer_procs = self._procs
+        for group in (consumer_procs, [trainer_procs]):
+            stopping = []
+            for procs in group:
+                try:
+                    stopping.append(procs.stop())
+                except Exception:  # noqa: BLE001 - best effort: the processes may already be gone
+                    pass
+            for fut in stopping:
+                try:
+                    fut.get(timeout=timeout)
+                except Exception:  # noqa: BLE001
+                    pass
 
     def __enter__(self) -> Controller:
         return self
