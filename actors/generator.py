@@ -7,6 +7,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from meshrl.types import Completion, SamplingParams
+from meshrl.weight_sync.transport import DEFAULT_STORE
 
 
 class StaleWeightsError(RuntimeError):
@@ -92,7 +93,7 @@ class Generator(Actor):
         return self.weight_loader.transport
 
     @endpoint
-    async def pull_weights(self, version: int) -> int:
+    async def pull_weights(self, version: int, store_name: str = DEFAULT_STORE) -> int:
         """Load exactly the weights pushed under `version` in place (from the shared buffer once one is attached,
         else from torchstore) and reset the prefix cache. An unavailable version raises and keeps the old one."""
         if version < self.policy_version:
@@ -102,7 +103,7 @@ class Generator(Actor):
         else:
             from meshrl.weight_sync.store import pull_weights  # torchstore only on this path
 
-            self._engine().load_weights(await pull_weights(version))
+            self._engine().load_weights(await pull_weights(version, store_name=store_name))
         self.policy_version = version
         return version
 

@@ -10,7 +10,7 @@ from monarch.actor import Actor, endpoint
 
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity, remove_shared_files
-from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
+from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,7 +86,7 @@ class PolicyTrainer(Actor):
         self.weight_transport = transport
 
     @endpoint
-    async def push_weights(self, version: int, dtype: str = "float32") -> int:
+    async def push_weights(self, version: int, dtype: str = "float32", store_name: str = DEFAULT_STORE) -> int:
         """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`:
         into torchstore, or into rank 0's shared flat buffer (allocated on the first push; 'cuda_ipc' on its GPU,
         'shm' in /dev/shm on CPU). Returns the bytes published (0 on the other ranks)."""
@@ -95,7 +95,7 @@ class PolicyTrainer(Actor):
             from meshrl.weight_sync.store import push_weights
 
             state_dict = p.hf_state_dict(_DTYPES[dtype])
-            return await push_weights(state_dict, version) if p.rank == 0 else 0
+            return await push_weights(state_dict, version, store_name=store_name) if p.rank == 0 else 0
         handle = p.publish_weights_ipc(version, _DTYPES[dtype])  # collective; the handle on rank 0 only
         if handle is None:
             return 0

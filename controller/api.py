@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +32,11 @@ from meshrl.types import (
     OptimResult,
     SamplingParams,
 )
-from meshrl.weight_sync.store import delete_weights, init_weight_store, shutdown_weight_store
+from meshrl.weight_sync.store import DEFAULT_STORE, delete_weights, init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS, describe_transport, resolve_transport
 
 T = TypeVar("T")
+_controller_ids = itertools.count()
 
 
 class ActorDiedError(RuntimeError):
@@ -117,12 +120,15 @@ class Controller:
             [self.trainer.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
         )
         self.generators = self.reward = None
+        # A store of its own: two Controllers in one process (tests, a user's script) never see each other's
+        # versions, and shutting one down leaves the other's store alone.
+        self.store_name = f"{DEFAULT_STORE}-{os.getpid()}-{next(_controller_ids)}"
         self.num_replicas, self.generator_info = 0, []
         self.weight_transport: str | None = None
         self._buffer_attached = False
         if generator_cfg is not None:
             if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
-                asyncio.run(init_weight_store())
+                asyncio.run(init_weight_store(self.store_name))
             self._procs.append(host.spawn_procs(per_host={"procs": generator_cfg.num_replicas}))
             self.generators = self._procs[-1].spawn("generator", Generator, self.model_dir, generator_cfg, seed)
             self.num_replicas = generator_cfg.num_replicas
@@ -224,7 +230,7 @@ class Controller:
             return WeightSyncTiming(version, 0.0, 0.0, 0, transport)  # generators already serve it
         t0 = time.perf_counter()
         pushed = Pending(
-            [self.trainer.push_weights.call(version, self.generator_cfg.dtype)],
+            [self.trainer.push_weights.call(version, self.generator_cfg.dtype, self.store_name)],
             lambda v: sum(v[0].values()),
             self.timeout_s,
             "push_weights",
@@ -233,7 +239,7 @@ class Controller:
             self._attach_weight_buffer()  # once: the buffer exists from the first push on
         t1 = time.perf_counter()
         versions = Pending(
-            [self.generators.pull_weights.call(version)],
+            [self.generators.pull_weights.call(version, self.store_name)],
             lambda v: list(v[0].values()),
             self.timeout_s,
             "pull_weights",
@@ -241,7 +247,8 @@ class Controller:
         if set(versions) != {version}:
             raise RuntimeError(f"generators report versions {versions} after pulling {version}")
         if transport == "torchstore" and self._last_synced is not None and self._last_synced != version:
-            asyncio.run(delete_weights(self._last_synced))  # generators have moved on; free the store
+            # The generators have moved on: free the store.
+            asyncio.run(delete_weights(self._last_synced, store_name=self.store_name))
         self._last_synced = version
         return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed, transport)
 
@@ -306,7 +313,7 @@ class Controller:
         timeout = 10 if self.failures else 60
         if self.generators is not None:
             try:
-                asyncio.run(asyncio.wait_for(shutdown_weight_store(), timeout))
+                asyncio.run(asyncio.wait_for(shutdown_weight_store(self.store_name), timeout))
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
         # Consumers first (all at once), the trainer last: generators still map the trainer's weight buffer

@@ -73,3 +73,30 @@ def test_overlong_prompt_is_a_clear_error(ctl):
         ctl.generate([[4] * 45], params).result()
     assert torch.tensor(1)  # the generator still answers below
     assert len(ctl.generate([[4, 5, 12]], params).result()) == 1
+
+
+def test_two_controllers_in_one_process_keep_their_own_weights(ctl, base_model_dir, tokenizer):
+    """Each Controller has a torchstore of its own: another one pushing the same version numbers, then shutting
+    down (which tears its store down), neither feeds nor breaks this one's generators."""
+    from meshrl.config import GeneratorConfig, ModelConfig, TrainerConfig
+    from meshrl.controller.api import Controller
+
+    probe = random_data(4, seed=30)
+    with Controller(
+        model_dir=base_model_dir,
+        model_cfg=ModelConfig(),
+        trainer_cfg=TrainerConfig(num_procs=1, micro_batch_size=4),
+        generator_cfg=GeneratorConfig(max_model_len=48, max_tokens=8),
+        tokenizer=tokenizer,
+        reward_weights=None,
+        call_timeout_s=120,
+    ) as other:
+        assert other.store_name != ctl.store_name
+        other.load_checkpoint(base_model_dir)
+        other.forward_backward(random_data(4, seed=31), LossSpec("cross_entropy", num_loss_tokens=30)).result()
+        other.optim_step(OptimParams(lr=5e-2)).result()
+        other.sync_weights()
+    ctl.forward_backward(random_data(4, seed=32), LossSpec("cross_entropy", num_loss_tokens=30)).result()
+    ctl.optim_step(OptimParams(lr=1e-2)).result()
+    ctl.sync_weights()
+    assert _max_diff(ctl.prompt_logprobs([d.tokens for d in probe]).result(), ctl.forward(probe).result()) < 1e-4

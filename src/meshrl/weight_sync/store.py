@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from meshrl.weight_sync.torchstore_compat import apply_torchstore_compat
+from meshrl.weight_sync.transport import DEFAULT_STORE
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STORE = "meshrl"
 DEFAULT_PREFIX = "policy"
 _MANIFEST = "__manifest__"
 _LATEST = "__latest__"

@@ -23,6 +23,7 @@ from meshrl.config import WEIGHT_SYNC_TRANSPORTS, ConfigError
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcReceiver, choose_transport
 
 SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
+DEFAULT_STORE = "meshrl"  # the torchstore name when none is given (each Controller uses its own)
 """Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
 
 
