@@ -110,7 +110,13 @@ class TorchtitanBackend:
         if self.device.type == "cpu":
             # torchtitan assumes an accelerator; on CPU its meshes must be built for "cpu" (gloo).
             parallel_dims_mod.device_type = "cpu"
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+        # On one rank, resharding after forward only frees the compute-dtype copies and costs a second
+        # all-gather-equivalent copy in backward (the hf backend does the same; measured there: +6 % tok/s).
+        parallelism = ParallelismConfig(
+            spmd_backend="partial_dtensor",
+            data_parallel_shard_degree=-1,
+            fsdp_reshard_after_forward="never" if dist.get_world_size() == 1 else "default",
+        )
         parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
         parallel_dims.build_mesh()
         model = qwen3.build_model_on_meta(self.titan_config)
