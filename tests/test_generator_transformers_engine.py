@@ -42,7 +42,7 @@ def test_pulled_weights_match_the_trainer_and_sampled_logprobs_agree(ctl, hf_gen
     trainer = ctl.forward(probe).result()
     stale = hf_generator.prompt_logprobs.call_one(seqs).get(timeout=TIMEOUT)
     assert _max_diff(stale, trainer) > 1e-3  # still the base weights: the check below is not vacuous
-    assert hf_generator.pull_weights.call_one(ctl.policy_version).get(timeout=TIMEOUT) == ctl.policy_version
+    assert hf_generator.pull_weights.call_one(ctl.policy_version, ctl.store_name).get(timeout=TIMEOUT) == ctl.policy_version
     assert _max_diff(hf_generator.prompt_logprobs.call_one(seqs).get(timeout=TIMEOUT), trainer) < 1e-4
 
     # Sampled completions: token ids + per-token logprobs that the trainer reproduces (what GRPO relies on).
@@ -67,7 +67,7 @@ def test_pulled_weights_match_the_trainer_and_sampled_logprobs_agree(ctl, hf_gen
 
 def test_greedy_generation_equals_the_vllm_generator(ctl, hf_generator, tokenizer):
     ctl.sync_weights()
-    hf_generator.pull_weights.call_one(ctl.policy_version).get(timeout=TIMEOUT)
+    hf_generator.pull_weights.call_one(ctl.policy_version, ctl.store_name).get(timeout=TIMEOUT)
     prompts = [tokenizer.encode(s) for s in ("abc=", "hgfed=", "ab=")]
     params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[tokenizer.eos_id])
     ours = hf_generator.generate.call_one(prompts, params, ctl.policy_version).get(timeout=TIMEOUT)
