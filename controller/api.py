@@ -32,6 +32,7 @@ from meshrl.types import (
     OptimResult,
     SamplingParams,
 )
+from meshrl.weight_sync.cuda_ipc import remove_shared_files
 from meshrl.weight_sync.store import DEFAULT_STORE, delete_weights, init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS, describe_transport, resolve_transport
 
@@ -126,6 +127,7 @@ class Controller:
         self.num_replicas, self.generator_info = 0, []
         self.weight_transport: str | None = None
         self._buffer_attached = False
+        self._weight_handle = None  # the shared buffer's handle, once attached (its files are removed at shutdown)
         if generator_cfg is not None:
             if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
                 asyncio.run(init_weight_store(self.store_name))
@@ -257,6 +259,7 @@ class Controller:
             [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
         ).result()
         (handle,) = [h for h in handles if h is not None]  # rank 0's
+        self._weight_handle = handle
         Pending(
             [self.generators.attach_weight_buffer.call(handle)], lambda v: v, self.timeout_s, "attach_weight_buffer"
         ).result()
@@ -331,6 +334,9 @@ class Controller:
                     fut.get(timeout=timeout)
                 except Exception:  # noqa: BLE001
                     pass
+        if self._weight_handle is not None:
+            # The trainer unlinks these on a clean exit; a killed trainer never does. Same host by construction.
+            remove_shared_files(self._weight_handle)
 
     def __enter__(self) -> Controller:
         return self

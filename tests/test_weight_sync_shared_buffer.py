@@ -8,6 +8,7 @@ tested without processes."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -200,14 +201,17 @@ def test_vllm_generator_loads_from_the_same_buffer(shm_ctl, base_model_dir):
         procs.stop().get(timeout=60)
 
 
-def test_shutdown_removes_the_buffer_files(shm_ctl):
-    """The trainer's /dev/shm buffer and control block do not outlive the run."""
+def test_shutdown_removes_the_buffer_files_even_after_the_trainer_was_killed(shm_ctl):
+    """The trainer's /dev/shm buffer and control block do not outlive the run — not even when the trainer
+    processes were SIGKILLed and never ran their own clean-up (the controller removes them at shutdown)."""
     ctl = shm_ctl
     ctl.sync_weights()
     handles = ctl.trainer.weight_buffer.call().get(timeout=TIMEOUT)
     (handle,) = [h for h in handles.values() if h is not None]
     files = [handle.buffer[1], handle.control_path, f"{handle.control_path}.slot0.lock"]
     assert all(os.path.exists(f) for f in files)
+    for pid in ctl.trainer_pids:
+        os.kill(pid, signal.SIGKILL)
     ctl.shutdown()
     assert not any(os.path.exists(f) for f in files)
 
