@@ -42,7 +42,8 @@ def test_pulled_weights_match_the_trainer_and_sampled_logprobs_agree(ctl, hf_gen
     trainer = ctl.forward(probe).result()
     stale = hf_generator.prompt_logprobs.call_one(seqs).get(timeout=TIMEOUT)
     assert _max_diff(stale, trainer) > 1e-3  # still the base weights: the check below is not vacuous
-    assert hf_generator.pull_weights.call_one(ctl.policy_version, ctl.store_name).get(timeout=TIMEOUT) == ctl.policy_version
+    pulled = hf_generator.pull_weights.call_one(ctl.policy_version, ctl.store_name).get(timeout=TIMEOUT)
+    assert pulled == ctl.policy_version
     assert _max_diff(hf_generator.prompt_logprobs.call_one(seqs).get(timeout=TIMEOUT), trainer) < 1e-4
 
     # Sampled completions: token ids + per-token logprobs that the trainer reproduces (what GRPO relies on).
