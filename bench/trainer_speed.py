@@ -37,9 +37,13 @@ TITAN_CONFIGS = {
     "titan": {},
     "titan+chunked+compile": {"logprob_chunk_size": 4096, "compile": True},
     "titan+compile": {"compile": True},
+    # The bare loop's recipe: bf16 weights and AdamW state, no gradient clipping (the `noclip` suffix).
+    "titan+compile+bf16": {"compile": True, "master_dtype": "bfloat16"},
+    "titan+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16"},
 }
 CONFIGS = {
     "policy": {},
+    "policy+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16"},
     "policy+chunked": {"logprob_chunk_size": 4096},
     "policy+compile": {"compile": True},
     "policy+chunked+compile": {"logprob_chunk_size": 4096, "compile": True},
@@ -74,7 +78,9 @@ def plain_loop(model_dir: str, tokens: torch.Tensor, warmup: int, steps: int) ->
     return times, {"first_step_loss": first_loss}
 
 
-def titan_plain_loop(model_dir: str, tokens: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], dict]:
+def titan_plain_loop(
+    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, profile: bool = False
+) -> tuple[list[float], dict]:
     from meshrl.models import qwen3
 
     dev = tokens.device
@@ -94,28 +100,40 @@ def titan_plain_loop(model_dir: str, tokens: torch.Tensor, warmup: int, steps: i
     if attn == "flex":  # torchtitan's FlexAttention takes a BlockMask on every call: causal, one per row
         masks = model.get_attention_masks(torch.arange(tokens.shape[1], device=dev).expand(tokens.shape[0], -1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
-    times, first_loss = [], None
-    for i in range(warmup + steps):
-        sync(dev)
-        t0 = time.perf_counter()
+
+    def step() -> torch.Tensor:
         logits = model(tokens, attention_masks=masks) if masks is not None else model(tokens)
         loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    times, first_loss = [], None
+    for i in range(warmup + steps):
+        sync(dev)
+        t0 = time.perf_counter()
+        loss = step()
         sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         if first_loss is None:
             first_loss = float(loss)
-        del logits, loss
-    del model, opt
-    gc.collect()
-    return times, {"first_step_loss": first_loss}
+    extra = {"first_step_loss": first_loss}
+    if profile:
+        extra["profile"] = _profile(step, dev)
+    return times, extra  # the model and optimiser are freed with this frame (main collects)
 
 
 def policy_loop(
-    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, levers: dict, backend: str = "hf"
+    model_dir: str,
+    tokens: torch.Tensor,
+    warmup: int,
+    steps: int,
+    levers: dict,
+    backend: str = "hf",
+    grad_clip: float = 1.0,
+    profile: bool = False,
 ) -> tuple[list[float], dict]:
     from meshrl.policy import Policy
     from meshrl.types import Datum, LossSpec, OptimParams
@@ -131,18 +149,96 @@ def policy_loop(
         sync(dev)
         t0 = time.perf_counter()
         fb = policy.forward_backward(data, spec)
-        sync(dev)
-        t1 = time.perf_counter()
-        policy.optim_step(OptimParams(lr=1e-5))
+        t1 = time.perf_counter()  # forward_backward returns host values: the GPU is done with it
+        policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
         sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             fb_times.append(t1 - t0)
         if first_loss is None:  # same weights and data in every config: the levers must not change it
             first_loss = fb.loss
-    del policy
-    gc.collect()
-    return times, {"first_step_loss": first_loss, "forward_backward_s": median(fb_times)}
+    extra = {"first_step_loss": first_loss, "forward_backward_s": median(fb_times)}
+    if profile:
+
+        def step() -> None:
+            policy.forward_backward(data, spec)
+            policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
+
+        extra["profile"] = _profile(step, dev)
+    return times, extra  # the policy is freed with this frame (main collects)
+
+
+def _profile(step, dev: torch.device, n: int = 2) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    return profile_summary(prof, n, wall)
+
+
+def parse_config(name: str) -> tuple[dict, bool, float]:
+    """`[actor:]<config>[+noclip]` -> (levers, through the PolicyTrainer actor?, grad_clip)."""
+    via_actor = name.startswith("actor:")
+    base = name.removeprefix("actor:")
+    grad_clip = 0.0 if base.endswith("+noclip") else 1.0
+    base = base.removesuffix("+noclip")
+    levers = {**CONFIGS, **TITAN_CONFIGS}.get(base)
+    if levers is None:
+        known = ", ".join(["plain", "plain-titan", *CONFIGS, *TITAN_CONFIGS])
+        raise SystemExit(f"unknown config {name!r}; known: {known} (prefix actor:, suffix +noclip)")
+    return levers, via_actor, grad_clip
+
+
+def actor_loop(
+    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, levers: dict, backend: str, grad_clip: float
+) -> tuple[list[float], dict]:
+    """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
+    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included."""
+    from meshrl.config import ModelConfig, TrainerConfig
+    from meshrl.controller.api import Controller
+    from meshrl.types import Datum, LossSpec, OptimParams
+
+    on_gpu = tokens.device.type == "cuda"
+    attn = "flex" if (backend == "torchtitan" and on_gpu) else "sdpa"
+    model_cfg = ModelConfig(path=model_dir, backend=backend, dtype="bfloat16", attn_backend=attn)
+    trainer_cfg = TrainerConfig(
+        num_procs=1, device="cuda" if on_gpu else "cpu", micro_batch_size=tokens.shape[0], **levers
+    )
+    data = [Datum.from_completion(r[:1], r[1:]) for r in tokens.tolist()]
+    spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+    pad = type("Tok", (), {"pad_id": 0})()
+    times, first_loss = [], None
+    with Controller(
+        model_dir=model_dir, model_cfg=model_cfg, trainer_cfg=trainer_cfg, generator_cfg=None, tokenizer=pad,
+        reward_weights=None, call_timeout_s=1800.0,
+    ) as ctl:  # fmt: skip
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            fb = ctl.forward_backward(data, spec).result()
+            ctl.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip)).result()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            first_loss = fb.loss if first_loss is None else first_loss
+    return times, {"first_step_loss": first_loss}
+
+
+def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
+    """GPU busy time per step (sum of kernel times) against the wall time, and the top kernels."""
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    busy_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:15]
+    return {
+        "wall_per_step_s": wall_s / n_steps,
+        "gpu_busy_per_step_s": busy_us / 1e6 / n_steps,
+        "gpu_idle_fraction": 1 - busy_us / 1e6 / wall_s,
+        "top_kernels_ms_per_step": [[e.key[:90], e.self_device_time_total / 1e3 / n_steps, e.count] for e in top],
+    }
 
 
 def main() -> None:
@@ -154,6 +250,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--configs", default=None, help="comma-separated; 'plain' / 'plain-titan' = the baseline")
     ap.add_argument("--backend", default="hf", choices=["hf", "torchtitan"])
+    ap.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU busy vs wall, top kernels")
     ap.add_argument(
         "--flex-no-autotune", action="store_true",
         help="compile torchtitan's flex attention without max-autotune (it stalled on torch 2.14, GPU.md)",
@@ -206,18 +303,28 @@ def main() -> None:
             if name == "plain":
                 times, extra = plain_loop(model_dir, tokens, args.warmup, args.steps)
             elif name == "plain-titan":
-                times, extra = titan_plain_loop(model_dir, tokens, args.warmup, args.steps)
+                times, extra = titan_plain_loop(model_dir, tokens, args.warmup, args.steps, args.profile)
             else:
-                levers = {**CONFIGS, **TITAN_CONFIGS}[name]
-                times, extra = policy_loop(model_dir, tokens, args.warmup, args.steps, levers, args.backend)
+                levers, via_actor, grad_clip = parse_config(name)
+                if via_actor:
+                    times, extra = actor_loop(
+                        model_dir, tokens, args.warmup, args.steps, levers, args.backend, grad_clip
+                    )
+                else:
+                    times, extra = policy_loop(
+                        model_dir, tokens, args.warmup, args.steps, levers, args.backend, grad_clip, args.profile
+                    )
         except Exception as e:  # noqa: BLE001 - OOM or a backend failure: keep the other configs
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name}: {results[name]['error']}", flush=True)
             gc.collect()
             continue
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         step = median(times)
         results[name] = {
-            "levers": {**CONFIGS, **TITAN_CONFIGS}.get(name, {}),
+            "levers": parse_config(name)[0] if name not in ("plain", "plain-titan") else {},
             "mfu_989": flops_per_token * n_tok / step / 989e12,
             "mfu_779": flops_per_token * n_tok / step / 779e12,
             "step_s": step,
@@ -228,6 +335,15 @@ def main() -> None:
             **extra,
         }
         print(f"{name}: {n_tok / step:,.0f} tok/s, step {step:.3f}s, peak {peak_gib(dev)} GiB", flush=True)
+        if "profile" in extra:
+            prof = extra["profile"]
+            print(
+                f"  profile: wall {prof['wall_per_step_s']:.3f}s/step, GPU busy {prof['gpu_busy_per_step_s']:.3f}s "
+                f"({1 - prof['gpu_idle_fraction']:.0%})",
+                flush=True,
+            )
+            for key, ms, count in prof["top_kernels_ms_per_step"]:
+                print(f"    {ms:8.2f} ms x{count:<5} {key}", flush=True)
         write_json("trainer_speed", payload)  # after every config: a later failure keeps what was measured
     base = (results.get("plain") or results.get("plain-titan") or {}).get("tokens_per_s")
     rows = []

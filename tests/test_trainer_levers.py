@@ -4,12 +4,14 @@ give the same logprobs and gradients as the full-logits, no-recompute path, to f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import random_data
 
-from meshrl.config import ConfigError, TrainerConfig
+from meshrl.config import ConfigError, GRPORunConfig, ModelConfig, TrainerConfig
 from meshrl.models.logprobs import chunked_linear_logprobs, target_logprobs
 from meshrl.types import LossSpec
 
@@ -58,9 +60,18 @@ def test_chunked_linear_logprobs_no_bias_bf16_weight():
 
 def test_trainer_config_levers():
     cfg = TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=512, activation_checkpointing=True)
-    assert cfg.policy_options() == {"logprob_chunk_size": 512, "compile": False, "activation_checkpointing": True}
+    assert cfg.policy_options() == {
+        "logprob_chunk_size": 512,
+        "compile": False,
+        "activation_checkpointing": True,
+        "master_dtype": "float32",
+    }
     with pytest.raises(ConfigError, match="logprob_chunk_size"):
         TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)
+    bf16 = TrainerConfig(num_procs=1, micro_batch_size=2, master_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="master_dtype='bfloat16' with model.dtype='float32'.*--model.dtype bfloat16"):
+        GRPORunConfig(trainer=bf16)
+    GRPORunConfig(trainer=bf16, model=ModelConfig(dtype="bfloat16"))
 
 
 # ---- through Policy and both backends ------------------------------------------------------------------------
@@ -173,3 +184,52 @@ def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_
             rx.close()
         p._ipc_sender.close()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["hf", "torchtitan"])
+def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
+    """master_dtype='bfloat16': the trained weights and the AdamW state are bf16 (no fp32 copy anywhere), the
+    logprobs are those of the fp32-master policy computing in bf16, and a step trains."""
+    from meshrl.policy import Policy
+    from meshrl.types import OptimParams
+
+    mixed = Policy(base_model_dir, backend=backend, param_dtype="bfloat16")
+    pure = Policy(base_model_dir, backend=backend, param_dtype="bfloat16", master_dtype="bfloat16")
+    assert {q.dtype for q in mixed.model.parameters()} == {torch.float32}
+    assert {q.dtype for q in pure.model.parameters()} == {torch.bfloat16}
+    data = random_data(4, seed=5)
+    # Same bf16 compute weights (fp32 masters cast to bf16 == weights stored in bf16): same logprobs.
+    flat = lambda rows: torch.tensor(sum(rows, []))  # noqa: E731
+    torch.testing.assert_close(flat(pure.forward(data)), flat(mixed.forward(data)), rtol=0, atol=0)
+    spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+    before = {k: v.clone() for k, v in pure.hf_state_dict().items()}
+    pure.forward_backward(data, spec)
+    assert {q.grad.dtype for q in pure.model.parameters() if q.grad is not None} == {torch.bfloat16}
+    assert math.isfinite(pure.optim_step(OptimParams(lr=1e-2)).grad_norm)
+    state_dtypes = {t.dtype for st in pure.optimizer.state.values() for k, t in st.items() if k != "step"}
+    assert state_dtypes == {torch.bfloat16}
+    after = pure.hf_state_dict()
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(ValueError, match="needs param_dtype='bfloat16'"):
+        Policy(base_model_dir, backend=backend, master_dtype="bfloat16")
+
+
+def test_clip_grad_norm_on_local_shards_equals_torch(one_rank_group, base_model_dir):
+    """The optimiser step's clipping (local FSDP shards, one foreach norm) against torch's clip_grad_norm_ on
+    the DTensors: same norm, same clipped gradients."""
+    from meshrl.policy import Policy, clip_grad_norm
+
+    p = Policy(base_model_dir, backend="torchtitan")
+    data = random_data(4, seed=6)
+    p.forward_backward(data, LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
+    params = [q for q in p.model.parameters() if q.grad is not None]
+    grads = [q.grad.to_local().clone() for q in params]
+    norm = float(clip_grad_norm(params, 1e-3))  # small: the gradients are scaled
+    clipped = [q.grad.full_tensor().clone() for q in params]
+    for q, g in zip(params, grads, strict=True):
+        q.grad.to_local().copy_(g)
+    want = float(torch.nn.utils.clip_grad_norm_(params, 1e-3).full_tensor())
+    assert norm == pytest.approx(want, rel=1e-6)
+    assert norm > 1e-3
+    for q, c in zip(params, clipped, strict=True):
+        torch.testing.assert_close(c, q.grad.full_tensor(), rtol=1e-6, atol=0)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
@@ -70,6 +71,32 @@ def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor |
     return out.to(device)
 
 
+def _sharded_over(t: DTensor, world: int) -> bool:
+    return t.device_mesh.ndim == 1 and t.device_mesh.size() == world and t.placements[0].is_shard()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients, which are scaled in place to at most `max_norm`; as
+    `torch.nn.utils.clip_grad_norm_`, but over each rank's local FSDP shards (one foreach norm and one all-reduce)
+    instead of DTensor ops — no DTensor dispatch per step. Needs every gradient sharded over all ranks of the
+    default group (FSDP2 on a 1-D mesh); anything else takes torch's own path."""
+    grads = [q.grad for q in params]
+    world = dist.get_world_size()
+    if not all(isinstance(g, DTensor) and _sharded_over(g, world) for g in grads):
+        return full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    local = [g.to_local() for g in grads]
+    norms = torch._foreach_norm(local)
+    if world == 1:
+        total = torch.linalg.vector_norm(torch.stack(norms))
+    else:
+        squares = torch.stack(norms).square().sum()
+        dist.all_reduce(squares)  # each element lives on exactly one rank (Shard(0))
+        total = squares.sqrt()
+    if math.isfinite(max_norm):
+        torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
 class Policy:
     """Model, optimiser and version counter of one trainer rank (FSDP2 over all ranks of the default group)."""
 
@@ -86,17 +113,23 @@ class Policy:
         compile: bool = False,
         activation_checkpointing: bool = False,
         logprob_chunk_size: int = 0,
+        master_dtype: str = "float32",
     ) -> None:
-        """`compile`, `activation_checkpointing`, `logprob_chunk_size`: the trainer speed levers (TrainerConfig),
-        applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
+        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `master_dtype`: the trainer speed levers
+        (TrainerConfig), applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
+        if master_dtype == "bfloat16" and param_dtype != "bfloat16":
+            raise ValueError(f"master_dtype='bfloat16' needs param_dtype='bfloat16' (got {param_dtype!r})")
         levers = dict(
-            compile=compile, activation_checkpointing=activation_checkpointing, logprob_chunk_size=logprob_chunk_size
+            compile=compile,
+            activation_checkpointing=activation_checkpointing,
+            logprob_chunk_size=logprob_chunk_size,
+            master_dtype=master_dtype,
         )
         backend_options = {**levers, **(backend_options or {})}
         if backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
@@ -160,14 +193,23 @@ class Policy:
         logprobs = self._logprobs(tokens, loss.temperature, collate_positions(local, self.device))
         # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
         scaled, metrics = compute_loss(logprobs, batch, loss)
-        self._check_finite_everywhere(scaled, "loss")
+        # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
+        # all-reduce below, the same on every rank, so all raise together. No host sync before backward.
+        nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
         scaled.backward()
-        stats = torch.stack([scaled.detach(), batch.mask.sum()] + list(metrics.values()))
+        stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
         dist.all_reduce(stats)
+        if stats[2] > 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"loss is NaN or inf on {int(stats[2])} trainer rank(s) at policy_version={self.policy_version}; "
+                "the accumulated gradients were discarded. Check the batch (advantages, old_logprobs) and "
+                "lower optim.lr"
+            )
         return ForwardBackwardResult(
             logprobs=self._gather_rows(logprobs.detach(), local),
             loss=float(stats[0]),
-            metrics={k: float(v) for k, v in zip(metrics, stats[2:], strict=True)},
+            metrics={k: float(v) for k, v in zip(metrics, stats[3:], strict=True)},
             num_tokens=int(stats[1]),
         )
 
@@ -183,8 +225,7 @@ class Policy:
         params = [q for q in self.model.parameters() if q.grad is not None]
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
-        max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        grad_norm = float(clip_grad_norm(params, p.grad_clip if p.grad_clip > 0 else math.inf))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -281,19 +322,6 @@ class Policy:
             self.policy_version += 1
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _check_finite_everywhere(self, value: torch.Tensor, what: str) -> None:
-        # Every rank must agree before backward: one rank raising alone would leave the others waiting in
-        # FSDP's collectives forever.
-        bad = torch.tensor([0.0 if torch.isfinite(value.detach()).all() else 1.0], device=self.device)
-        dist.all_reduce(bad)
-        if bad.item() > 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"{what} is NaN or inf on {int(bad.item())} trainer rank(s) at policy_version={self.policy_version}; "
-                "the accumulated gradients were discarded. Check the batch (advantages, old_logprobs) and "
-                "lower optim.lr"
-            )
-
     def _gather_rows(self, logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
         """Per-datum logprobs of every rank's rows, in the batch's order, on every rank."""
         rows = [logprobs[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
 from meshrl.models.logprobs import LogprobHead, target_logprobs
+from meshrl.models.titan_backend import reduce_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
@@ -100,14 +101,16 @@ class HFBackend:
         activation_checkpointing: bool = False,
         compile: bool = False,
         logprob_chunk_size: int = 0,
+        master_dtype: str = "float32",
         seed: int = 0,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if attn_backend not in _ATTN:
             raise ValueError(f"attn_backend={attn_backend!r}; use one of {sorted(_ATTN)}")
-        if param_dtype not in _DTYPES:
-            raise ValueError(f"param_dtype={param_dtype!r}; use one of {sorted(_DTYPES)}")
+        for what, value in (("param_dtype", param_dtype), ("master_dtype", master_dtype)):
+            if value not in _DTYPES:
+                raise ValueError(f"{what}={value!r}; use one of {sorted(_DTYPES)}")
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
         self.hf_config: dict[str, Any] = qwen3.read_hf_config(model_dir)
@@ -117,9 +120,10 @@ class HFBackend:
         self.vocab_size = int(text.vocab_size)
         self.seed = seed
         with torch.device("meta"):
-            # fp32 master weights; FSDP's mixed-precision policy casts to `param_dtype` for compute.
+            # Master weights in `master_dtype` (fp32 by default); FSDP's mixed-precision policy casts to
+            # `param_dtype` for compute.
             model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=_ATTN[attn_backend]
+                config, dtype=_DTYPES[master_dtype], attn_implementation=_ATTN[attn_backend]
             )
         model.config.use_cache = False
         self.base_model = model  # the transformers model (inside the peft wrapper when LoRA is on)
@@ -130,7 +134,7 @@ class HFBackend:
             self.lora_config = LoraConfig(**{"task_type": "CAUSAL_LM", "lora_dropout": 0.0, **lora})
             model = get_peft_model(model, self.lora_config)
         self.model = model
-        self._shard(_DTYPES[param_dtype], activation_checkpointing, compile)
+        self._shard(_DTYPES[param_dtype], _DTYPES[reduce_dtype(master_dtype)], activation_checkpointing, compile)
         self.model.to_empty(device=self.device)
         init_non_persistent_buffers(self.base_model)
         self._aliases = {self._hf_name(a): self._hf_name(c) for a, c in tied_aliases(self.model).items()}
@@ -140,12 +144,14 @@ class HFBackend:
         self.logprob_head = LogprobHead(head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
 
     # ---- build ----------------------------------------------------------------------------------------------
-    def _shard(self, param_dtype: torch.dtype, activation_checkpointing: bool, compile: bool) -> None:
+    def _shard(
+        self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, activation_checkpointing: bool, compile: bool
+    ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         layers = self._wrap_layers(decoder_layers(self.base_model), activation_checkpointing, compile)
         # On one rank, resharding after forward frees only the compute-dtype copies and costs a second
         # "all-gather" (cast + copy) per layer in backward: keep them.

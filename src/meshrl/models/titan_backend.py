@@ -67,10 +67,17 @@ class DocumentMaskedSDPA(torch.nn.Module):
         return out.transpose(1, 2)
 
 
+def reduce_dtype(master_dtype: str) -> str:
+    """Gradients are summed over ranks in float32; on one rank nothing is summed, and with bf16 master weights a
+    float32 'reduction' would only cast the gradients there and back."""
+    return master_dtype if dist.get_world_size() == 1 else "float32"
+
+
 class TorchtitanBackend:
     """torchtitan Qwen3 under torchtitan's parallelize. Speed levers (off by default): `activation_checkpointing`
     (torchtitan's full AC per block), `compile` (torchtitan's per-block torch.compile), `logprob_chunk_size`
-    (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`)."""
+    (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`), `master_dtype`
+    ('bfloat16': pure bf16 weights and optimiser state instead of fp32 masters)."""
 
     name = "torchtitan"
     supports_packing = True
@@ -85,6 +92,7 @@ class TorchtitanBackend:
         activation_checkpointing: bool = False,
         compile: bool = False,
         logprob_chunk_size: int = 0,
+        master_dtype: str = "float32",
     ) -> None:
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
@@ -94,12 +102,12 @@ class TorchtitanBackend:
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
         self.max_seq_len = int(self.hf_config["max_position_embeddings"])
         self.vocab_size = int(self.hf_config["vocab_size"])
-        self.model = self._build_fsdp_model(param_dtype)
+        self.model = self._build_fsdp_model(param_dtype, master_dtype)
         self.logprob_head = (
             LogprobHead(self.model.lm_head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
         )
 
-    def _build_fsdp_model(self, param_dtype: str) -> torch.nn.Module:
+    def _build_fsdp_model(self, param_dtype: str, master_dtype: str) -> torch.nn.Module:
         import torchtitan.distributed.parallel_dims as parallel_dims_mod
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -120,13 +128,19 @@ class TorchtitanBackend:
         parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
         parallel_dims.build_mesh()
         model = qwen3.build_model_on_meta(self.titan_config)
+        if master_dtype != "float32":
+            # Parameters only (in place: tied weights stay one Parameter); the RoPE cache keeps its own dtype.
+            for param in model.parameters():
+                param.data = param.data.to(getattr(torch, master_dtype))
         if self.attn_backend == "sdpa":
             for block in model.layers.values():
                 block.attention.inner_attention = DocumentMaskedSDPA()
         parallelize_qwen3(
             model,
             parallel_dims=parallel_dims,
-            training=TrainingConfig(mixed_precision_param=param_dtype),
+            training=TrainingConfig(
+                mixed_precision_param=param_dtype, mixed_precision_reduce=reduce_dtype(master_dtype)
+            ),
             parallelism=parallelism,
             compile_config=CompileConfig(enable=self.compile, components=["model"]),
             ac_config=FullAC.Config() if self.activation_checkpointing else None,

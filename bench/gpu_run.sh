@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU machine's side of the benchmarks (../shared/GPU.md), one stage per call, from the repo root:
+#
+#   bash bench/gpu_run.sh piece torch.00     # torch 2.13 / NCCL pieces, one per call, back to back (GPU.md step 3)
+#   bash bench/gpu_run.sh titan [configs]    # last call (carries .chunks/nccl.03 .whl .whl_titan): install torch
+#                                            # 2.13 + torchtitan, run trainer_speed.py --backend torchtitan
+#   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the HFEngine tests on
+#                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
+#   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
+#   bash bench/gpu_run.sh vllm               # (carries .chunks/vllm.23) HFEngine vs generate vs vLLM 0.33 and
+#                                            # vLLM's CUDA-IPC weight load, one run
+#
+# Everything lands under $OUT (JSON from the scripts, logs).
+set -uo pipefail
+stage=${1:?stage: piece NAME | titan [configs] | torch211}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+
+case "$stage" in
+piece)
+  mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
+  ;;
+titan)
+  configs=${2:-plain-titan,titan+chunked+compile+bf16+noclip,titan+chunked+compile,actor:titan+chunked+compile+bf16+noclip}
+  if [ ! -d /tmp/site/torch ]; then
+    mkdir -p /tmp/chunks && cp .chunks/nccl.03 /tmp/chunks/
+    cat /tmp/chunks/torch.* > /tmp/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl
+    cat /tmp/chunks/nccl.* > /tmp/nvidia_nccl_cu13-2.29.7-py3-none-manylinux_2_18_x86_64.whl
+    # .whl_titan repeats a few of .whl's small wheels: install only its own.
+    pipi /tmp/site /tmp/torch-2.13.0-*.whl /tmp/nvidia_nccl_cu13-*.whl .whl/*.whl \
+      .whl_titan/torchtitan-*.whl .whl_titan/torch_checkpointing-*.whl .whl_titan/spmd_types-*.whl \
+      .whl_titan/torchdata-*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/site:$PWD/src LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2
+  python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name())"
+  cd bench && timeout 540 python3 trainer_speed.py --backend torchtitan --profile --warmup 3 --steps 5 \
+    --configs "$configs" 2>&1 | grep -v -E "Warning|warnings.warn" | tee "$OUT/trainer_speed_titan.log"
+  ;;
+torch211)
+  [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site211:$PWD/src
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py 2>&1 | tail -15 | tee "$OUT/test_hf_engine_gpu.log"
+  cd bench && timeout 330 python3 grpo_step_gpu.py --steps 3 --transports cuda_ipc 2>&1 \
+    | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/grpo_step_gpu.log"
+  ;;
+vllm)
+  if [ ! -d /tmp/site/vllm ]; then
+    mkdir -p /tmp/chunks /tmp/vw && cp .chunks/vllm.23 /tmp/chunks/
+    cat /tmp/chunks/vllm.* > /tmp/vllm.tar && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
+    pipi /tmp/site --upgrade /tmp/vw/*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD/src
+  export LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2 VLLM_USE_FLASHINFER_SAMPLER=0
+  cd bench && timeout 560 python3 generation.py --vllm --ipc-check 2>&1 | grep -v -E "Warning|warnings.warn" \
+    | tail -60 | tee "$OUT/generation_vllm.log"
+  ;;
+*)
+  echo "unknown stage $stage" >&2; exit 2
+  ;;
+esac
