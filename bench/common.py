@@ -11,6 +11,8 @@ import json
 import os
 import socket
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +42,11 @@ def device() -> torch.device:
 
 def make_model_dir(path: str | Path, *, tiny: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> str:
     """A random-weight Qwen3 (HF format, no tokenizer) with no EOS, so every sample runs to max_tokens."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     path = Path(path)
     if (path / "config.json").exists():
         return str(path)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     cfg = Qwen3Config(
         **(TINY if tiny else QWEN3_06B),
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
@@ -137,3 +139,29 @@ def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_meshrl_layout() -> None:
+    """`meshrl.actors` / `.controller` / `.configs` live in top-level folders (pyproject's package-dir). Without an
+    installed package (the GPU machine), assemble the namespace in a temp dir and put it on sys.path and on
+    PYTHONPATH (Monarch's spawned processes inherit it)."""
+    try:
+        import meshrl.actors  # noqa: F401
+        import meshrl.controller  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    import shutil
+
+    tree = Path(tempfile.mkdtemp(prefix="meshrl-tree-"))
+    shutil.copytree(ROOT / "src" / "meshrl", tree / "meshrl")
+    for sub, name in (("actors", "actors"), ("controller", "controller"), ("configs", "configs")):
+        shutil.copytree(ROOT / sub, tree / "meshrl" / name)
+    for mod in [m for m in sys.modules if m == "meshrl" or m.startswith("meshrl.")]:
+        del sys.modules[mod]
+    sys.path.insert(0, str(tree))
+    os.environ["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"

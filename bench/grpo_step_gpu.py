@@ -20,41 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 import traceback
-from pathlib import Path
 
-from common import environment, make_model_dir, print_table, write_json
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def ensure_meshrl_layout() -> None:
-    """`meshrl.actors` / `.controller` / `.configs` live in top-level folders (pyproject's package-dir). Without an
-    installed package (the GPU machine), assemble the namespace in a temp dir and put it on sys.path and on
-    PYTHONPATH (Monarch's spawned processes inherit it)."""
-    try:
-        import meshrl.actors  # noqa: F401
-        import meshrl.controller  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    import shutil
-
-    tree = Path(tempfile.mkdtemp(prefix="meshrl-tree-"))
-    shutil.copytree(ROOT / "src" / "meshrl", tree / "meshrl")
-    for sub, name in (("actors", "actors"), ("controller", "controller"), ("configs", "configs")):
-        shutil.copytree(ROOT / sub, tree / "meshrl" / name)
-    for mod in [m for m in sys.modules if m == "meshrl" or m.startswith("meshrl.")]:
-        del sys.modules[mod]
-    sys.path.insert(0, str(tree))
-    os.environ["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+from common import ensure_meshrl_layout, environment, make_model_dir, print_table, write_json
 
 
 def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: bool) -> dict:

@@ -31,7 +31,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import environment, make_model_dir, median, peak_gib, print_table, reset_peak, sync, write_json
+from common import (
+    ensure_meshrl_layout,
+    environment,
+    make_model_dir,
+    median,
+    peak_gib,
+    print_table,
+    reset_peak,
+    sync,
+    write_json,
+)
 
 TITAN_CONFIGS = {
     "titan": {},
@@ -200,6 +210,7 @@ def actor_loop(
 ) -> tuple[list[float], dict]:
     """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
     the endpoints' cost (Datum pickling, actor calls, returned logprobs) included."""
+    ensure_meshrl_layout()
     from meshrl.config import ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
     from meshrl.types import Datum, LossSpec, OptimParams
@@ -250,6 +261,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--configs", default=None, help="comma-separated; 'plain' / 'plain-titan' = the baseline")
     ap.add_argument("--backend", default="hf", choices=["hf", "torchtitan"])
+    ap.add_argument("--model-dir", default=None, help="reuse this random model dir (made here if missing)")
     ap.add_argument("--profile", action="store_true", help="also profile 2 steps: GPU busy vs wall, top kernels")
     ap.add_argument(
         "--flex-no-autotune", action="store_true",
@@ -275,7 +287,7 @@ def main() -> None:
         "nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
         **({"device_id": dev} if dev.type == "cuda" else {}),
     )  # fmt: skip
-    model_dir = make_model_dir(tempfile.mkdtemp() + "/model", tiny=args.tiny)
+    model_dir = make_model_dir(args.model_dir or tempfile.mkdtemp() + "/model", tiny=args.tiny)
     from transformers import AutoConfig
 
     hf_cfg = AutoConfig.from_pretrained(model_dir)

@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import random_data
+from torch.distributed.tensor import DTensor
 
 from meshrl.config import ConfigError, GRPORunConfig, ModelConfig, TrainerConfig
 from meshrl.models.logprobs import chunked_linear_logprobs, target_logprobs
+from meshrl.models.sharding import full_tensor
 from meshrl.types import LossSpec
 
 torch.set_num_threads(1)
@@ -97,7 +99,7 @@ def _run(model_dir: str, backend: str, **levers):
     spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data), temperature=0.8)
     fb = p.forward_backward(data, spec)
     grads = {  # AC's wrapper renames parameters (not state-dict keys): compare under the plain names
-        n.replace("._checkpoint_wrapped_module", ""): q.grad.full_tensor().clone()
+        n.replace("._checkpoint_wrapped_module", ""): full_tensor(q.grad).clone()
         for n, q in p.model.named_parameters()
         if q.grad is not None
     }
@@ -197,6 +199,9 @@ def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
     pure = Policy(base_model_dir, backend=backend, param_dtype="bfloat16", master_dtype="bfloat16")
     assert {q.dtype for q in mixed.model.parameters()} == {torch.float32}
     assert {q.dtype for q in pure.model.parameters()} == {torch.bfloat16}
+    # One rank: FSDP only where there is a cast to do (fp32 masters); pure bf16 runs the model as is.
+    assert all(isinstance(q, DTensor) for q in mixed.model.parameters())
+    assert not any(isinstance(q, DTensor) for q in pure.model.parameters())
     data = random_data(4, seed=5)
     # Same bf16 compute weights (fp32 masters cast to bf16 == weights stored in bf16): same logprobs.
     flat = lambda rows: torch.tensor(sum(rows, []))  # noqa: E731
@@ -219,7 +224,7 @@ def test_clip_grad_norm_on_local_shards_equals_torch(one_rank_group, base_model_
     the DTensors: same norm, same clipped gradients."""
     from meshrl.policy import Policy, clip_grad_norm
 
-    p = Policy(base_model_dir, backend="torchtitan")
+    p = Policy(base_model_dir, backend="torchtitan", param_dtype="bfloat16")  # fp32 masters: FSDP on one rank
     data = random_data(4, seed=6)
     p.forward_backward(data, LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
     params = [q for q in p.model.parameters() if q.grad is not None]

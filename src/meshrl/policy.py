@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
-from meshrl.models.titan_backend import TorchtitanBackend, full_tensor
+from meshrl.models.sharding import full_tensor
+from meshrl.models.titan_backend import TorchtitanBackend
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:

@@ -23,20 +23,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
 from meshrl.models.logprobs import LogprobHead, target_logprobs
-from meshrl.models.titan_backend import reduce_dtype
+from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
-
-
-def full_tensor(t: torch.Tensor, *, snapshot: bool = True) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) DTensor. `snapshot=False` allows returning the live parameter
-    itself when one rank holds all of it (no all-gather copy): valid only until the next optimiser step."""
-    if not isinstance(t, DTensor):
-        return t
-    if not snapshot and t.device_mesh.size() == 1:
-        return t.to_local()
-    return t.full_tensor()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -78,6 +68,15 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             seen[id(t)] = name
     return aliases
+
+
+def retie(model: nn.Module, aliases: dict[str, str]) -> None:
+    """Make each alias the same Parameter as its canonical entry again (after `to_empty`)."""
+    for alias, canonical in aliases.items():
+        owner, _, attr = alias.rpartition(".")
+        param = model.get_parameter(canonical)
+        if model.get_parameter(alias) is not param:
+            setattr(model.get_submodule(owner), attr, param)
 
 
 class HFBackend:
@@ -134,8 +133,12 @@ class HFBackend:
             self.lora_config = LoraConfig(**{"task_type": "CAUSAL_LM", "lora_dropout": 0.0, **lora})
             model = get_peft_model(model, self.lora_config)
         self.model = model
-        self._shard(_DTYPES[param_dtype], _DTYPES[reduce_dtype(master_dtype)], activation_checkpointing, compile)
+        layers = self._wrap_layers(decoder_layers(self.base_model), activation_checkpointing, compile)
+        if use_fsdp(param_dtype, master_dtype):
+            self._shard(layers, _DTYPES[param_dtype], _DTYPES[reduce_dtype(master_dtype)])
+        tied = tied_aliases(self.model)  # before materialising: without FSDP, to_empty unties shared Parameters
         self.model.to_empty(device=self.device)
+        retie(self.model, tied)
         init_non_persistent_buffers(self.base_model)
         self._aliases = {self._hf_name(a): self._hf_name(c) for a, c in tied_aliases(self.model).items()}
         if logprob_chunk_size < 0:
@@ -144,15 +147,12 @@ class HFBackend:
         self.logprob_head = LogprobHead(head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
 
     # ---- build ----------------------------------------------------------------------------------------------
-    def _shard(
-        self, param_dtype: torch.dtype, reduce_dtype: torch.dtype, activation_checkpointing: bool, compile: bool
-    ) -> None:
+    def _shard(self, layers: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        layers = self._wrap_layers(decoder_layers(self.base_model), activation_checkpointing, compile)
         # On one rank, resharding after forward frees only the compute-dtype copies and costs a second
         # "all-gather" (cast + copy) per layer in backward: keep them.
         reshard = dist.get_world_size() > 1

@@ -16,16 +16,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
 from meshrl.models.logprobs import LogprobHead, target_logprobs
+from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
 
-
-def full_tensor(t: torch.Tensor, *, snapshot: bool = True) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) DTensor. `snapshot=False` allows returning the live parameter
-    itself when one rank holds all of it (no all-gather copy): valid only until the next optimiser step."""
-    if not isinstance(t, DTensor):
-        return t
-    if not snapshot and t.device_mesh.size() == 1:
-        return t.to_local()
-    return t.full_tensor()
+__all__ = ["TorchtitanBackend", "full_tensor", "load_full_state_dict"]
 
 
 def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], *, source: str) -> None:
@@ -65,12 +58,6 @@ class DocumentMaskedSDPA(torch.nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)
-
-
-def reduce_dtype(master_dtype: str) -> str:
-    """Gradients are summed over ranks in float32; on one rank nothing is summed, and with bf16 master weights a
-    float32 'reduction' would only cast the gradients there and back."""
-    return master_dtype if dist.get_world_size() == 1 else "float32"
 
 
 class TorchtitanBackend:
@@ -145,6 +132,7 @@ class TorchtitanBackend:
             compile_config=CompileConfig(enable=self.compile, components=["model"]),
             ac_config=FullAC.Config() if self.activation_checkpointing else None,
             dump_folder=os.devnull,
+            skip_dp=not use_fsdp(param_dtype, master_dtype),
         )
         for m in model.modules():
             if isinstance(m, FSDPModule):
