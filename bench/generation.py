@@ -140,6 +140,12 @@ def _ipc_load_in_worker(worker, blob: bytes, version: int):
     return worker.meshrl_update_weights_ipc(pickle.loads(blob), version)
 
 
+def _checksums_in_worker(worker) -> list[float]:
+    """Runs inside the vLLM worker: one float64 sum per parameter of the running model (equal lists = the same
+    weights, whatever the kernels do with near-tied logits)."""
+    return [float(p.detach().double().sum()) for _, p in sorted(worker.model_runner.get_model().named_parameters())]
+
+
 def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]]) -> dict:
     """vLLM's same-GPU weight load (worker extension meshrl_update_weights_ipc) on the GPU: correctness + time."""
     from safetensors.torch import load_file
@@ -183,7 +189,17 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
         assert all(v in (None, version) for v in got), (got, version)
         return dt
 
+    def checksums() -> list[float]:
+        return engine.llm.collective_rpc(_checksums_in_worker)[0]
+
+    # The timing runs left these prompts' KV (from a batch-64 prefill) in the prefix cache; every later run starts
+    # from an empty cache, so the baseline must too. Run it twice: a random model's top logits are near-ties, so
+    # greedy equality is only meaningful if the baseline repeats itself.
+    engine.llm.reset_prefix_cache()
     before_tok, before_lp = run()
+    engine.llm.reset_prefix_cache()
+    res["baseline_repeats"] = run()[0] == before_tok
+    before_sums = checksums()
 
     def ipc() -> None:  # 1) the worker extension's IPC load, the handle pickled to bytes
         sender.publish(sd_b, 1)
@@ -195,6 +211,7 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
             times.append(load(v))
         res["load_s_median"] = median(times)
         res["load_s_all"] = times
+        res["a_again_weights_equal"] = checksums() == before_sums
         a_tok, a_lp = run()
         res["a_again_tokens_equal"] = a_tok == before_tok
         res["a_again_logprob_max_abs_diff"] = max(
@@ -212,6 +229,7 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
         t0 = time.perf_counter()
         engine.load_weights(sd_a)
         res["host_load_weights_s"] = time.perf_counter() - t0
+        res["host_a_weights_equal"] = checksums() == before_sums
         res["host_a_tokens_equal"] = run()[0] == before_tok
 
     stage("ipc", ipc)
