@@ -238,3 +238,27 @@ def test_clip_grad_norm_on_local_shards_equals_torch(one_rank_group, base_model_
     assert norm > 1e-3
     for q, c in zip(params, clipped, strict=True):
         torch.testing.assert_close(c, q.grad.full_tensor(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["hf", "torchtitan"])
+def test_packed_rows_equal_unpacked(one_rank_group, base_model_dir, backend):
+    """Sequence packing (several examples per row, attention masked across documents, per-document positions)
+    changes the compute, not the math: same per-datum loss sum and same gradients as one example per row."""
+    from meshrl.controller.steps import pad_rows
+    from meshrl.data.sft import SFTExample, pack_examples
+    from meshrl.policy import Policy
+    from meshrl.types import Datum
+
+    examples = [SFTExample(d.tokens[:3], d.tokens[3:]) for d in random_data(8, seed=11)]
+    plain = [Datum.from_completion(e.prompt_ids, e.response_ids) for e in examples]
+    packed = pad_rows(pack_examples(examples, 24), 1, 0)
+    assert len(packed) < len(plain) and any(d.positions.count(0) > 1 for d in packed)
+    spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in plain))
+    out = []
+    for data in (plain, packed):
+        p = Policy(base_model_dir, backend=backend)
+        loss = p.forward_backward(data, spec).loss
+        out.append((loss, {n: full_tensor(q.grad).clone() for n, q in p.model.named_parameters()}))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-5)
+    for name, grad in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -507,7 +507,7 @@ class SFTDataConfig:
     shuffle_seed: int = 0
     pack: bool = False
     """Pack several examples into each row (document-masked attention, per-document positions): no compute
-    spent on padding when lengths vary. Same loss as unpacked (torchtitan backend)."""
+    spent on padding when lengths vary. Same loss as unpacked (either trainer backend)."""
     pack_len: int | None = None
     """Tokens per packed row; default: data.max_seq_len."""
 

@@ -88,6 +88,7 @@ class HFBackend:
     logprobs through `meshrl.models.logprobs.chunked_linear_logprobs`, never the full float32 logits)."""
 
     name = "hf"
+    supports_packing = True
 
     def __init__(
         self,
@@ -192,15 +193,20 @@ class HFBackend:
         return layers
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, use_cache=False).logits
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # Packed rows: transformers reads the documents from `position_ids` when no attention mask is given (a
+        # position that does not follow its predecessor starts a document) and masks attention across them.
+        return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
-    def target_logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0."""
+    def target_logprobs(
+        self, tokens: torch.Tensor, temperature: float = 1.0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0;
+        `positions`: per-document positions of packed rows."""
         if self.logprob_head is None:
-            return target_logprobs(self.logits(tokens), tokens, temperature)
+            return target_logprobs(self.logits(tokens, positions), tokens, temperature)
         with self.logprob_head.armed(tokens, temperature):
-            return self.model(input_ids=tokens, use_cache=False).logits  # the head returned logprobs
+            return self.logits(tokens, positions)  # the head returned logprobs
 
     # ---- names: our module's state-dict names <-> the HF checkpoint's names ---------------------------------
     @staticmethod
