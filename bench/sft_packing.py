@@ -1,10 +1,11 @@
 """SFT throughput with and without sequence packing, on examples of varied length.
 
-    .venv/bin/python bench/sft_packing.py [--out bench/results/sft_packing.json]
+    .venv/bin/python bench/sft_packing.py [--backend torchtitan|hf] [--out bench/results/sft_packing.json]
 
 One trainer rank in this process (torch.distributed with gloo on CPU, NCCL on GPU), the real Policy
-(`forward_backward` + `optim_step`, torchtitan Qwen3). The same examples go through both paths; throughput
-counts only real tokens (prompt + response), so padding is pure cost. Prints a table last and writes JSON.
+(`forward_backward` + `optim_step`, torchtitan Qwen3 or the same checkpoint through transformers). The same
+examples go through both paths; throughput counts only real tokens (prompt + response), so padding is pure
+cost. Prints a table last and writes JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/sft_packing.json")
+    ap.add_argument("--out", default=None, help="default: bench/results/sft_packing[_hf].json")
+    ap.add_argument("--backend", default="torchtitan", choices=["torchtitan", "hf"])
     ap.add_argument("--examples", type=int, default=64, help="examples per optimiser step")
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=512)
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward_backward call")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
+    args.out = args.out or f"bench/results/sft_packing{'' if args.backend == 'torchtitan' else '_' + args.backend}.json"
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29717")
     from meshrl.data.sft import SFTExample, pack_examples
@@ -44,7 +47,7 @@ def main() -> None:
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     hf_cfg["max_position_embeddings"] = max(args.pack_len, args.max_len)
     (model_dir / "config.json").write_text(json.dumps(hf_cfg))
-    policy = policy_from_env(str(model_dir), device=device)
+    policy = policy_from_env(str(model_dir), device=device, backend=args.backend)
     rng = random.Random(0)
 
     def batch() -> list[SFTExample]:
@@ -103,7 +106,8 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\nSFT packing, tiny Qwen3, {args.examples} examples/step of {args.min_len}-{args.max_len} tokens, {device}")
+    lengths = f"{args.min_len}-{args.max_len} tokens"
+    print(f"\nSFT packing, tiny Qwen3 ({args.backend} backend), {args.examples} examples/step of {lengths}, {device}")
     print(f"{'mode':<8} {'real tok/s':>12} {'padding':>9}")
     for mode, r in results.items():
         print(f"{mode:<8} {r['real_tokens_per_s']:>12.0f} {r['padding_fraction']:>8.1%}")

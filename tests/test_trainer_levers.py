@@ -219,27 +219,6 @@ def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
         Policy(base_model_dir, backend=backend, master_dtype="bfloat16")
 
 
-def test_clip_grad_norm_on_local_shards_equals_torch(one_rank_group, base_model_dir):
-    """The optimiser step's clipping (local FSDP shards, one foreach norm) against torch's clip_grad_norm_ on
-    the DTensors: same norm, same clipped gradients."""
-    from meshrl.policy import Policy, clip_grad_norm
-
-    p = Policy(base_model_dir, backend="torchtitan", param_dtype="bfloat16")  # fp32 masters: FSDP on one rank
-    data = random_data(4, seed=6)
-    p.forward_backward(data, LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
-    params = [q for q in p.model.parameters() if q.grad is not None]
-    grads = [q.grad.to_local().clone() for q in params]
-    norm = float(clip_grad_norm(params, 1e-3))  # small: the gradients are scaled
-    clipped = [q.grad.full_tensor().clone() for q in params]
-    for q, g in zip(params, grads, strict=True):
-        q.grad.to_local().copy_(g)
-    want = float(torch.nn.utils.clip_grad_norm_(params, 1e-3).full_tensor())
-    assert norm == pytest.approx(want, rel=1e-6)
-    assert norm > 1e-3
-    for q, c in zip(params, clipped, strict=True):
-        torch.testing.assert_close(c, q.grad.full_tensor(), rtol=1e-6, atol=0)
-
-
 @pytest.mark.parametrize("backend", ["hf", "torchtitan"])
 def test_packed_rows_equal_unpacked(one_rank_group, base_model_dir, backend):
     """Sequence packing (several examples per row, attention masked across documents, per-document positions)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
@@ -70,32 +69,6 @@ def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor |
         out[i, :n] = pos
         out[i, n:] = torch.arange(1, max_len - n + 1) + pos[-1]
     return out.to(device)
-
-
-def _sharded_over(t: DTensor, world: int) -> bool:
-    return t.device_mesh.ndim == 1 and t.device_mesh.size() == world and t.placements[0].is_shard()
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients, which are scaled in place to at most `max_norm`; as
-    `torch.nn.utils.clip_grad_norm_`, but over each rank's local FSDP shards (one foreach norm and one all-reduce)
-    instead of DTensor ops — no DTensor dispatch per step. Needs every gradient sharded over all ranks of the
-    default group (FSDP2 on a 1-D mesh); anything else takes torch's own path."""
-    grads = [q.grad for q in params]
-    world = dist.get_world_size()
-    if not all(isinstance(g, DTensor) and _sharded_over(g, world) for g in grads):
-        return full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    local = [g.to_local() for g in grads]
-    norms = torch._foreach_norm(local)
-    if world == 1:
-        total = torch.linalg.vector_norm(torch.stack(norms))
-    else:
-        squares = torch.stack(norms).square().sum()
-        dist.all_reduce(squares)  # each element lives on exactly one rank (Shard(0))
-        total = squares.sqrt()
-    if math.isfinite(max_norm):
-        torch._foreach_mul_(local, torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total
 
 
 class Policy:
@@ -226,7 +199,8 @@ class Policy:
         params = [q for q in self.model.parameters() if q.grad is not None]
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
-        grad_norm = float(clip_grad_norm(params, p.grad_clip if p.grad_clip > 0 else math.inf))
+        max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
