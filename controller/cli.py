@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import TypeVar
 
@@ -42,3 +43,14 @@ def parse_run_config(
         )
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def stop_on_sigterm() -> None:
+    """A scheduler's SIGTERM (preemption, `kill`) ends the run as Ctrl-C does — actor processes stopped, shared
+    weight files removed, the last checkpoint and the resume command printed — instead of Python's default of
+    dying on the spot and leaving them behind."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)

@@ -247,9 +247,12 @@ def main(cfg: GRPORunConfig) -> dict:
 
 
 if __name__ == "__main__":
-    from meshrl.controller.cli import parse_run_config
+    from meshrl.controller.cli import parse_run_config, stop_on_sigterm
 
+    stop_on_sigterm()
     try:
         main(parse_run_config(GRPORunConfig, description=__doc__))
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)

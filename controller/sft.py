@@ -181,11 +181,14 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
 
 if __name__ == "__main__":
     from meshrl.configs import SFT_PRESETS
-    from meshrl.controller.cli import parse_run_config
+    from meshrl.controller.cli import parse_run_config, stop_on_sigterm
 
+    stop_on_sigterm()
     try:
         main(
             parse_run_config(SFTRunConfig, description=__doc__, presets=SFT_PRESETS, default_preset="tiny-reverse-sft")
         )
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -162,6 +162,15 @@ class RunCheckpoints:
         """Any failure inside ends the run with RunFailedError naming the last good checkpoint."""
         try:
             yield
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through cli.stop_on_sigterm: stop, but say how to go on
+            latest = self.manager.latest()
+            print(
+                f"[meshrl] interrupted; last good checkpoint: {latest or 'none yet'}\n"
+                f"  resume with: {resume_command(self.program, latest, self.flags)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
             latest = self.manager.latest()
             kind = "an actor process died" if isinstance(e, ActorDiedError) else type(e).__name__

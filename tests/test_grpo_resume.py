@@ -126,3 +126,43 @@ def test_resumed_run_equals_the_straight_run_bitwise(out, straight, killed):
         assert summary_b[key] == summary_a[key]
     wa, wb = load_hf_state_dict(a / "final_model"), load_hf_state_dict(b / "final_model")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
+    """A scheduler's SIGTERM to the controller (preemption): the run stops with the last checkpoint and the resume
+    command, its actor processes exit, and the shared weight buffer's files do not stay behind in /dev/shm."""
+    shm_before = set(os.listdir("/dev/shm"))
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "c"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    pids = None
+    for line in proc.stdout:
+        if m := re.search(r"trainer processes \(pids\): \[([\d, ]+)\]", line):
+            pids = [int(p) for p in m.group(1).split(",")]
+            break
+    assert pids, "the run did not report its trainer processes"
+    ckpts, deadline = out / "c" / "checkpoints", time.time() + 300
+    while not list(ckpts.glob("step_*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the controller did not stop on SIGTERM")
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; last good checkpoint: " in err and str(ckpts / "step_") in err, err[-2000:]
+    assert "resume with: " in err and "--run.resume" in err, err[-2000:]
+    assert all(_gone(pid, 30) for pid in pids), "trainer processes outlived the controller"
+    left = [f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("meshrl-wsync-")]
+    assert not left, left
