@@ -8,7 +8,8 @@
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
 #   bash bench/gpu_run.sh vllm               # (carries .chunks/vllm.23) HFEngine vs generate vs vLLM 0.33 and
-#                                            # vLLM's CUDA-IPC weight load, one run
+#                                            # vLLM's CUDA-IPC weight load, one run ('vllm-ipc': the load check
+#                                            # alone, eager engine)
 #
 # Everything lands under $OUT (JSON from the scripts, logs).
 set -uo pipefail
@@ -47,7 +48,7 @@ torch211)
   cd bench && timeout 330 python3 grpo_step_gpu.py --steps 3 --transports cuda_ipc 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/grpo_step_gpu.log"
   ;;
-vllm)
+vllm|vllm-ipc)
   if [ ! -d /tmp/site/vllm ]; then
     mkdir -p /tmp/chunks /tmp/vw && cp .chunks/vllm.23 /tmp/chunks/
     cat /tmp/chunks/vllm.* > /tmp/vllm.tar && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
@@ -55,7 +56,10 @@ vllm)
   fi
   export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD/src
   export LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2 VLLM_USE_FLASHINFER_SAMPLER=0
-  cd bench && timeout 560 python3 generation.py --vllm --ipc-check 2>&1 | grep -v -E "Warning|warnings.warn" \
+  extra=()
+  # vllm-ipc: only vLLM's weight-load check, eager engine (starts in seconds, not minutes)
+  [ "$stage" = vllm-ipc ] && extra=(--variants "" --skip-generate --batches 8 --new 32 --vllm-eager)
+  cd bench && timeout 560 python3 generation.py --vllm --ipc-check "${extra[@]}" 2>&1 | grep -v -E "Warning|warnings.warn" \
     | tail -60 | tee "$OUT/generation_vllm.log"
   ;;
 *)
