@@ -1,4 +1,5 @@
-"""The trainable policy of one trainer rank: torchtitan Qwen3 + FSDP2 + AdamW, and the math of the
+"""The trainable policy of one trainer rank: the model backend (FSDP2-sharded where `sharding.use_fsdp` says so) +
+AdamW, and the math of the
 `forward_backward` / `forward` / `optim_step` contract. No Monarch in here — the PolicyTrainer actor is a thin
 shell around this class, and tests can drive it directly inside a plain torch.distributed group.
 
@@ -72,7 +73,8 @@ def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor |
 
 
 class Policy:
-    """Model, optimiser and version counter of one trainer rank (FSDP2 over all ranks of the default group)."""
+    """Model, optimiser and version counter of one trainer rank (FSDP2 over all ranks of the default group, except
+    on one rank with nothing to cast: `meshrl.models.sharding.use_fsdp`)."""
 
     def __init__(
         self,

@@ -1,5 +1,6 @@
 """Trainer model backend 'hf': any transformers causal LM, built on the meta device, FSDP2-sharded
-(`fully_shard` per decoder layer + the root, mixed precision), materialised on the rank's device, HF
+(`fully_shard` per decoder layer + the root, mixed precision; not on one rank with nothing to cast:
+`sharding.use_fsdp`), materialised on the rank's device, HF
 checkpoints in and out under the model's own names.
 
 Same interface as `TorchtitanBackend` (attributes `model`, `hf_config`, `max_seq_len`, `vocab_size`; methods

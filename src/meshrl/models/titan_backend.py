@@ -1,5 +1,6 @@
 """Trainer model backend 'torchtitan': Qwen3 built on the meta device, FSDP2 through torchtitan's
-parallelize, materialised on the rank's device, HF weights in and out through the state-dict adapter.
+parallelize (unless one rank has nothing to shard or cast: `sharding.use_fsdp`), materialised on the rank's
+device, HF weights in and out through the state-dict adapter.
 
 A backend owns the (sharded) module and the conversion to and from HF tensors; `meshrl.policy.Policy` owns
 the optimiser and the endpoint math, whatever the backend.
