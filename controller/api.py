@@ -32,7 +32,7 @@ from meshrl.types import (
     OptimResult,
     SamplingParams,
 )
-from meshrl.weight_sync.cuda_ipc import remove_shared_files
+from meshrl.weight_sync.cuda_ipc import remove_shared_files, remove_stale_files
 from meshrl.weight_sync.store import DEFAULT_STORE, delete_weights, init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS, describe_transport, resolve_transport
 
@@ -110,6 +110,7 @@ class Controller:
         # ends with a message naming the last good checkpoint.
         self.failures: list[str] = []
         monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
+        remove_stale_files()  # left by an earlier run whose trainer or controller was SIGKILLed
         host = this_host()
         self._procs = [host.spawn_procs(per_host={"procs": trainer_cfg.num_procs})]
         setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed

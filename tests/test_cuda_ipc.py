@@ -220,3 +220,23 @@ def test_another_process_reads_through_cuda_ipc_gpu():
         assert choose_transport("cuda", "cuda") == "cuda_ipc"
     finally:
         sender.close()
+
+
+def test_stale_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    """A SIGKILLed trainer or controller leaves its shared-buffer files behind; the next Controller sweeps those
+    of processes that are gone, and never touches a live process's files."""
+    import os
+    import subprocess
+    import sys
+
+    from meshrl.weight_sync.cuda_ipc import remove_stale_files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = [tmp_path / f"meshrl-wsync-{dead_pid}-abc.ctl", tmp_path / f"meshrl-wsync-{dead_pid}-abc.buf"]
+    live = tmp_path / f"meshrl-wsync-{os.getpid()}-def.ctl"
+    other = tmp_path / "something-else"
+    for p in [*stale, live, other]:
+        p.write_bytes(b"x")
+    assert sorted(remove_stale_files(str(tmp_path))) == sorted(str(p) for p in stale)
+    assert live.exists() and other.exists() and not any(p.exists() for p in stale)

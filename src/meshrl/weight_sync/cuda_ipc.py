@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import socket
 import tempfile
 import time
@@ -293,6 +294,33 @@ class CudaIpcHandle:
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_files(directory: str | None = None) -> list[str]:
+    """Unlink the shared-buffer files (`meshrl-wsync-<pid>-...`) whose creating process is gone: a trainer or a
+    controller killed with SIGKILL cannot clean up after itself. Files of live processes are left alone (a
+    recycled pid only means a stale file is kept). Returns the removed paths."""
+    directory = directory or _shm_dir()
+    removed = []
+    for name in os.listdir(directory):
+        m = re.match(r"meshrl-wsync-(\d+)-", name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 @dataclass
