@@ -21,9 +21,10 @@ torch.set_num_threads(1)
 ATOL = 2e-6
 
 
+@pytest.mark.parametrize("keep_logits", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_linear_logprobs_equals_full_logits(temperature, chunk):
+def test_chunked_linear_logprobs_equals_full_logits(temperature, chunk, keep_logits):
     g = torch.Generator().manual_seed(0)
     B, L, H, V = 3, 7, 16, 29
     hidden = torch.randn(B, L, H, generator=g, dtype=torch.float64).float().requires_grad_()
@@ -39,7 +40,7 @@ def test_chunked_linear_logprobs_equals_full_logits(temperature, chunk):
         t.grad = None
 
     got = chunked_linear_logprobs(
-        hidden[:, :-1], weight, bias, tokens[:, 1:], temperature=temperature, chunk_size=chunk
+        hidden[:, :-1], weight, bias, tokens[:, 1:], temperature=temperature, chunk_size=chunk, keep_logits=keep_logits
     )
     (got * upstream).sum().backward()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=ATOL)  # float32 rounding of logsumexp vs log_softmax
@@ -56,6 +57,8 @@ def test_chunked_linear_logprobs_no_bias_bf16_weight():
     got = chunked_linear_logprobs(hidden[:, :-1], weight, None, tokens[:, 1:], chunk_size=4)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    kept = chunked_linear_logprobs(hidden[:, :-1], weight, None, tokens[:, 1:], chunk_size=4, keep_logits=True)
+    torch.testing.assert_close(kept, got, rtol=0, atol=0)  # the same matmul, written into the kept buffer
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_linear_logprobs(hidden[:, :-1], weight, None, tokens[:, 1:], chunk_size=0)
 
@@ -64,12 +67,15 @@ def test_trainer_config_levers():
     cfg = TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=512, activation_checkpointing=True)
     assert cfg.policy_options() == {
         "logprob_chunk_size": 512,
+        "logprob_keep_logits": False,
         "compile": False,
         "activation_checkpointing": True,
         "master_dtype": "float32",
     }
     with pytest.raises(ConfigError, match="logprob_chunk_size"):
         TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)
+    with pytest.raises(ConfigError, match="logprob_keep_logits.*logprob_chunk_size > 0"):
+        TrainerConfig(num_procs=1, micro_batch_size=2, logprob_keep_logits=True)
     bf16 = TrainerConfig(num_procs=1, micro_batch_size=2, master_dtype="bfloat16")
     with pytest.raises(ConfigError, match="master_dtype='bfloat16' with model.dtype='float32'.*--model.dtype bfloat16"):
         GRPORunConfig(trainer=bf16)
@@ -114,6 +120,7 @@ def test_levers_match_the_plain_path(one_rank_group, base_model_dir, backend):
         {"logprob_chunk_size": 5},
         {"activation_checkpointing": True},
         {"logprob_chunk_size": 3, "activation_checkpointing": True},
+        {"logprob_chunk_size": 4, "logprob_keep_logits": True},
     ):
         fwd, fb, grads = _run(base_model_dir, backend, **levers)
         torch.testing.assert_close(torch.tensor(sum(fwd, [])), torch.tensor(sum(base_fwd, [])), rtol=0, atol=ATOL)
@@ -149,15 +156,17 @@ def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
     weight = torch.randn(37, 16, generator=g).requires_grad_()
     tokens = torch.randint(0, 37, (2, 11), generator=g)
     outs = []
-    for fused in (False, True):
+    for fused, keep_logits in ((False, False), (True, False), (True, True)):
         out = chunked_linear_logprobs(
-            hidden[:, :-1], weight, None, tokens[:, 1:], temperature=0.9, chunk_size=6, fused=fused
-        )
+            hidden[:, :-1], weight, None, tokens[:, 1:], temperature=0.9, chunk_size=6, fused=fused,
+            keep_logits=keep_logits,
+        )  # fmt: skip
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         outs.append((out.detach(), hidden.grad.clone(), weight.grad.clone()))
         hidden.grad = weight.grad = None
-    for a, b in zip(*outs, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=ATOL)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=ATOL)
 
 
 def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_dir):

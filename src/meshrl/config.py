@@ -88,6 +88,10 @@ class TrainerConfig:
     """Speed lever: > 0 computes the target logprobs from the final hidden states this many tokens at a time
     (chunked linear + log-softmax), so the full [B, T, V] float32 logits never exist; 0: full logits. Same
     values to float32 rounding. 2048-8192 suits a 151k vocabulary."""
+    logprob_keep_logits: bool = False
+    """Speed lever for the chunked head: keep every chunk's logits in the compute dtype for backward (the
+    [B, T, V] tensor once, 5 GB in bf16 at 8 x 2048 x 151k) instead of recomputing the output projection
+    there. Same values; needs logprob_chunk_size > 0."""
     compile: bool = False
     """Speed lever: torch.compile each decoder block (first step pays the compile time; needs a GPU or a C++
     compiler)."""
@@ -103,6 +107,7 @@ class TrainerConfig:
         """The speed levers as keyword arguments of `meshrl.policy.Policy`."""
         return {
             "logprob_chunk_size": self.logprob_chunk_size,
+            "logprob_keep_logits": self.logprob_keep_logits,
             "compile": self.compile,
             "activation_checkpointing": self.activation_checkpointing,
             "master_dtype": self.master_dtype,
@@ -114,6 +119,11 @@ class TrainerConfig:
         if self.logprob_chunk_size < 0:
             raise ConfigError(
                 f"trainer.logprob_chunk_size={self.logprob_chunk_size} must be >= 0 (0 computes the full logits)"
+            )
+        if self.logprob_keep_logits and not self.logprob_chunk_size:
+            raise ConfigError(
+                "trainer.logprob_keep_logits applies to the chunked logprob head: set trainer.logprob_chunk_size "
+                "> 0 too (e.g. 4096), or drop logprob_keep_logits"
             )
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size} must be >= 1")

@@ -89,9 +89,11 @@ class Policy:
         compile: bool = False,
         activation_checkpointing: bool = False,
         logprob_chunk_size: int = 0,
+        logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
     ) -> None:
-        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `master_dtype`: the trainer speed levers
+        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`: the
+        trainer speed levers
         (TrainerConfig), applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
@@ -105,6 +107,7 @@ class Policy:
             compile=compile,
             activation_checkpointing=activation_checkpointing,
             logprob_chunk_size=logprob_chunk_size,
+            logprob_keep_logits=logprob_keep_logits,
             master_dtype=master_dtype,
         )
         backend_options = {**levers, **(backend_options or {})}

@@ -86,7 +86,8 @@ class HFBackend:
 
     Speed levers (all off by default): `activation_checkpointing` (each decoder layer is recomputed in backward),
     `compile` (each decoder layer's forward goes through torch.compile), `logprob_chunk_size` (> 0: target
-    logprobs through `meshrl.models.logprobs.chunked_linear_logprobs`, never the full float32 logits)."""
+    logprobs through `meshrl.models.logprobs.chunked_linear_logprobs`, never the full float32 logits;
+    `logprob_keep_logits`: its compute-dtype logits kept for backward instead of recomputed)."""
 
     name = "hf"
     supports_packing = True
@@ -102,6 +103,7 @@ class HFBackend:
         activation_checkpointing: bool = False,
         compile: bool = False,
         logprob_chunk_size: int = 0,
+        logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
         seed: int = 0,
     ) -> None:
@@ -146,7 +148,11 @@ class HFBackend:
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
         head = self.base_model.get_output_embeddings()
-        self.logprob_head = LogprobHead(head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
+        self.logprob_head = (
+            LogprobHead(head, logprob_chunk_size, fused=compile, keep_logits=logprob_keep_logits)
+            if logprob_chunk_size
+            else None
+        )
 
     # ---- build ----------------------------------------------------------------------------------------------
     def _shard(self, layers: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:

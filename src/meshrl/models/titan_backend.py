@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshrl.models import qwen3
 from meshrl.models.logprobs import LogprobHead, target_logprobs
@@ -48,6 +49,13 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
+# Unmasked (causal) rows: cuDNN's fused attention first, as torchtitan orders it. torch's own default order
+# (flash, efficient, math, cuDNN last) leaves the H100 on FA2. CPU builds skip what they lack.
+CAUSAL_SDPA_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH
+]  # fmt: skip
+
+
 class DocumentMaskedSDPA(torch.nn.Module):
     """torchtitan's SDPA inner attention refuses masks; this one takes the document mask of packed rows (and is
     plain causal SDPA without one). Parameter-free, so it can replace the built module on the meta device."""
@@ -55,7 +63,8 @@ class DocumentMaskedSDPA(torch.nn.Module):
     def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, is_causal=True, **_):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, L, N, H) -> (B, N, L, H)
         if attention_masks is None:
-            out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
+            with sdpa_kernel(CAUSAL_SDPA_BACKENDS, set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=enable_gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)
@@ -64,7 +73,8 @@ class DocumentMaskedSDPA(torch.nn.Module):
 class TorchtitanBackend:
     """torchtitan Qwen3 under torchtitan's parallelize. Speed levers (off by default): `activation_checkpointing`
     (torchtitan's full AC per block), `compile` (torchtitan's per-block torch.compile), `logprob_chunk_size`
-    (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`), `master_dtype`
+    (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`; with
+    `logprob_keep_logits` its compute-dtype logits kept for backward instead of recomputed), `master_dtype`
     ('bfloat16': pure bf16 weights and optimiser state instead of fp32 masters)."""
 
     name = "torchtitan"
@@ -80,6 +90,7 @@ class TorchtitanBackend:
         activation_checkpointing: bool = False,
         compile: bool = False,
         logprob_chunk_size: int = 0,
+        logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
     ) -> None:
         if logprob_chunk_size < 0:
@@ -92,7 +103,9 @@ class TorchtitanBackend:
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.model = self._build_fsdp_model(param_dtype, master_dtype)
         self.logprob_head = (
-            LogprobHead(self.model.lm_head, logprob_chunk_size, fused=compile) if logprob_chunk_size else None
+            LogprobHead(self.model.lm_head, logprob_chunk_size, fused=compile, keep_logits=logprob_keep_logits)
+            if logprob_chunk_size
+            else None
         )
 
     def _build_fsdp_model(self, param_dtype: str, master_dtype: str) -> torch.nn.Module:
