@@ -254,12 +254,12 @@ def actor_loop(
 # Kernel name fragments -> what the time went to (first match wins; lower-cased names).
 KERNEL_KINDS = [
     ("attention", ("flex_attention", "fmha", "flash", "cudnn", "sdpa", "attention")),
-    ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "_mm_", "triton_tem_fused_mm", "triton_tem_fused_addmm")),
+    ("matmul", ("nvjet", "gemm", "xmma", "cutlass", "triton_tem_fused_mm", "triton_tem_fused_addmm")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("softmax", ("softmax",)),
-    ("copy", ("memcpy", "memset", "copy_kernel", "direct_copy")),
-    ("embedding", ("embedding", "index", "scatter", "sort", "radix")),
+    ("copy / fill", ("memcpy", "memset", "copy_kernel", "direct_copy", "fillfunctor")),
     ("fused elementwise (triton)", ("triton_",)),
+    ("embedding", ("embedding", "index", "scatter", "sort", "radix")),
 ]
 
 
@@ -268,27 +268,43 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
-    """GPU busy time per step (sum of the kernels' own times; CPU-side ops that launched them are not counted
-    again) against the wall time, the time by kind of kernel, and the top kernels."""
+def _device_kernels(events) -> list:
+    """Kernel (and memcpy) events on the GPU, without the user-annotation ranges the profiler also puts there."""
     from torch.autograd import DeviceType
 
-    kernels = [
-        e for e in prof.key_averages()
-        if getattr(e, "device_type", None) == DeviceType.CUDA and e.self_device_time_total > 0
+    return [
+        e for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]  # fmt: skip
+
+
+def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
+    """GPU busy time per step (sum of the kernels' own times; CPU-side ops that launched them are not counted
+    again) against the wall time, the time by kind of kernel, the top kernels, and the largest idle gaps between
+    consecutive kernels (with the kernels either side: where the GPU waited for the host)."""
+    kernels = [e for e in _device_kernels(prof.key_averages()) if e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     by_kind: dict[str, float] = {}
     for e in kernels:
         kind = kernel_kind(e.key)
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / n_steps
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
+    timeline = sorted(_device_kernels(prof.events()), key=lambda e: e.time_range.start)
+    gaps, last_end, last_name = [], None, ""
+    for e in timeline:  # a gap: no kernel running on any stream
+        if last_end is not None and e.time_range.start - last_end > 20:  # µs
+            gaps.append((e.time_range.start - last_end, last_name[:60], e.name[:60]))
+        if last_end is None or e.time_range.end >= last_end:
+            last_end, last_name = e.time_range.end, e.name
+    gaps.sort(reverse=True)
     return {
         "wall_per_step_s": wall_s / n_steps,
         "gpu_busy_per_step_s": busy_us / 1e6 / n_steps,
         "gpu_idle_fraction": 1 - busy_us / 1e6 / wall_s,
         "ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms_per_step": [[e.key[:90], e.self_device_time_total / 1e3 / n_steps, e.count] for e in top],
+        "gaps_over_20us_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / n_steps,
+        "largest_gaps_ms": [[g / 1e3, before, after] for g, before, after in gaps[:12]],
     }
 
 
@@ -397,6 +413,9 @@ def main() -> None:
                 flush=True,
             )
             print("    by kind: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in prof["ms_per_step_by_kind"].items()))
+            print(f"    idle gaps > 20 us: {prof['gaps_over_20us_ms_per_step']:.1f} ms/step; largest:")
+            for ms, before, after in prof["largest_gaps_ms"]:
+                print(f"      {ms:6.2f} ms  after {before}  before {after}")
             for key, ms, count in prof["top_kernels_ms_per_step"]:
                 print(f"    {ms:8.2f} ms x{count:<5} {key}", flush=True)
         write_json("trainer_speed", payload)  # after every config: a later failure keeps what was measured

@@ -150,7 +150,7 @@ def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
     changes code generation, not the math)."""
     import meshrl.models.logprobs as lp
 
-    monkeypatch.setattr(lp, "_compiled", lambda name: lp._fused_forward if name == "forward" else lp._fused_backward)
+    monkeypatch.setattr(lp, "_compiled", lambda name: lp._FUSED[name])
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 11, 16, generator=g).requires_grad_()
     weight = torch.randn(37, 16, generator=g).requires_grad_()
@@ -250,3 +250,28 @@ def test_packed_rows_equal_unpacked(one_rank_group, base_model_dir, backend):
     assert out[1][0] == pytest.approx(out[0][0], rel=1e-5)
     for name, grad in out[0][1].items():
         torch.testing.assert_close(out[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fused_optimizer_skips_a_nonfinite_step_on_the_device(one_rank_group, base_model_dir):
+    """The GPU path (fused AdamW: the step is queued before the host reads the norm, found_inf skips it), run
+    with torch's CPU fused kernel: a non-finite gradient leaves weights and optimiser state untouched."""
+    from meshrl.policy import Policy
+    from meshrl.types import LossSpec, OptimParams
+
+    p = Policy(base_model_dir, backend="torchtitan")
+    p.optimizer = torch.optim.AdamW([q for q in p.model.parameters() if q.requires_grad], lr=0.0, fused=True)
+    data = random_data(2, seed=5)
+    spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+    before = {k: v.clone() for k, v in p.model.state_dict().items()}
+    p.forward_backward(data, spec)
+    next(q for q in p.model.parameters() if q.grad is not None).grad.view(-1)[0] = float("inf")
+    with pytest.raises(FloatingPointError, match="grad norm is inf.*skipped"):
+        p.optim_step(OptimParams(lr=1e-2, grad_clip=1.0))
+    for k, v in p.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(float(s["step"]) == 0 for s in p.optimizer.state.values())
+    assert all(q.grad is None for q in p.model.parameters())
+    p.forward_backward(data, spec)
+    result = p.optim_step(OptimParams(lr=1e-2, grad_clip=1.0))
+    assert math.isfinite(result.grad_norm) and result.policy_version == 1
+    assert any(not torch.equal(v, before[k]) for k, v in p.model.state_dict().items())

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
@@ -205,14 +206,23 @@ class Policy:
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # Fused AdamW on plain tensors skips the update on the device when the norm is not finite (its found_inf,
+        # as GradScaler uses it): the host reads the norm after the step is queued, so the GPU never idles
+        # waiting for that read. Otherwise the norm is read first and the step not taken.
+        skip_on_device = bool(self.optimizer.defaults.get("fused")) and not any(isinstance(q, DTensor) for q in params)
+        if skip_on_device:
+            self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            self.optimizer.step()
+        grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
                 f"grad norm is {grad_norm} at policy_version={self.policy_version}: the step was skipped and the "
                 "gradients discarded; lower optim.lr or check the inputs"
             )
-        self.optimizer.step()
+        if not skip_on_device:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         return OptimResult(grad_norm=grad_norm, lr=p.lr, policy_version=self.policy_version)
@@ -304,7 +314,8 @@ class Policy:
     # ---- helpers ------------------------------------------------------------------------------------------
     def _gather_rows(self, logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
         """Per-datum logprobs of every rank's rows, in the batch's order, on every rank."""
-        rows = [logprobs[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
+        host = logprobs.cpu()  # one device-to-host copy, not one per row
+        rows = [host[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
         if self.world_size == 1:
             return rows
         gathered: list[list[list[float]] | None] = [None] * self.world_size

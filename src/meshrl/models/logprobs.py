@@ -62,26 +62,34 @@ def _fused_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def _fused_backward(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_out: torch.Tensor, t: float):
-    """d(g_out · logprob)/d logits in the logits' dtype: (onehot - softmax) · g_out / t; one pass when compiled."""
+    """d(g_out · logprob)/d logits in the logits' dtype: (onehot - softmax) · g_out / t. The one-hot is a compare
+    against a column index (not a scatter), so compiled it is one pass: read the logits, write the gradient."""
     x = logits.float()
     if t != 1.0:
         x = x / t
-    g = -torch.exp(x - lse[:, None]) * g_out[:, None]
-    g = g.scatter_add(1, targets[:, None], g_out[:, None])
+    columns = torch.arange(x.shape[1], device=x.device)
+    onehot = (columns[None, :] == targets[:, None]).to(torch.float32)
+    g = (onehot - torch.exp(x - lse[:, None])) * g_out[:, None]
     if t != 1.0:
         g = g / t
     return g.to(logits.dtype)
 
 
+def _fused_backward_in_place(logits, lse, targets, g_out, t) -> None:
+    """`_fused_backward` written over the (kept) logits themselves: compiled, the same single pass."""
+    logits.copy_(_fused_backward(logits, lse, targets, g_out, t))
+
+
+_FUSED = {"forward": _fused_forward, "backward": _fused_backward, "backward_in_place": _fused_backward_in_place}
 _COMPILED: dict[str, object] = {}
 
 
 def _compiled(name: str):
-    """torch.compile'd `_fused_forward` / `_fused_backward` (made on first use): the upcast, logsumexp, softmax
-    and gradient of a [chunk, V] block in one read of the compute-dtype logits instead of ~6 float32 passes."""
+    """torch.compile'd `_fused_forward` / `_fused_backward[_in_place]` (made on first use): the upcast, logsumexp,
+    softmax and gradient of a [chunk, V] block in one read of the compute-dtype logits instead of ~6 float32
+    passes."""
     if name not in _COMPILED:
-        fn = _fused_forward if name == "forward" else _fused_backward
-        _COMPILED[name] = torch.compile(fn, dynamic=False)
+        _COMPILED[name] = torch.compile(_FUSED[name], dynamic=False)
     return _COMPILED[name]
 
 
@@ -118,31 +126,39 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, kept = ctx.saved_tensors
         t, c = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grad_out = grad_out.reshape(-1).float()
+        if kept is not None:
+            # The gradient w.r.t. the logits overwrites the kept logits chunk by chunk; then two whole matmuls
+            # (cuBLAS accumulates in float32 over all tokens) instead of two per chunk and a float32 running sum.
+            for s in range(0, hidden.shape[0], c):
+                rows = slice(s, s + c)
+                if ctx.fused:
+                    _compiled("backward_in_place")(kept[rows], lse[rows], targets[rows], grad_out[rows], t)
+                else:
+                    g = _logits_grad(kept[rows], lse[rows], targets[rows], grad_out[rows], t)
+                    if grad_b is not None:
+                        grad_b += g.sum(0)
+                    kept[rows] = g.to(kept.dtype)
+            grad_h = kept @ weight if need_h else None
+            grad_w = kept.t() @ hidden if need_w else None
+            return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *[None] * 6
         grad_h = torch.empty_like(hidden) if need_h else None
         # Weight/bias gradients summed over chunks in float32 (one rounding to the weight dtype at the end).
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        grad_out = grad_out.reshape(-1).float()
         for s in range(0, hidden.shape[0], c):
-            h = hidden[s : s + c]
-            g_out = grad_out[s : s + c]
-            logits = _project(h, weight, bias, None) if kept is None else kept[s : s + c]
+            rows = slice(s, s + c)
+            h = hidden[rows]
+            logits = _project(h, weight, bias, None)
             if ctx.fused:
-                g = _compiled("backward")(logits, lse[s : s + c], targets[s : s + c], g_out, t)
+                g = _compiled("backward")(logits, lse[rows], targets[rows], grad_out[rows], t)
             else:
-                # d log p(y) / d logits = onehot(y) - softmax, scaled by 1/temperature; built in place.
-                g = _upcast(logits, t)
-                if g.data_ptr() == logits.data_ptr():
-                    g = g.clone()  # float32 kept logits: the upcast is the same tensor
-                g.sub_(lse[s : s + c, None]).exp_().mul_(-g_out[:, None])
-                g.scatter_add_(1, targets[s : s + c, None], g_out[:, None])
-                if t != 1.0:
-                    g.div_(t)
+                g = _logits_grad(logits, lse[rows], targets[rows], grad_out[rows], t)
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 g = g.to(weight.dtype)
             if grad_h is not None:
-                grad_h[s : s + c] = g @ weight
+                grad_h[rows] = g @ weight
             if grad_w is not None:
                 grad_w += (g.t() @ h).float()
             del g
@@ -150,13 +166,20 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *[None] * 6,
         )
+
+
+def _logits_grad(logits, lse, targets, g_out, t: float) -> torch.Tensor:
+    """d log p(y) / d logits = onehot(y) - softmax, times g_out, over the temperature; float32, built in place."""
+    g = _upcast(logits, t)
+    if g.data_ptr() == logits.data_ptr():
+        g = g.clone()  # float32 logits: the upcast is the same tensor
+    g.sub_(lse[:, None]).exp_().mul_(-g_out[:, None])
+    g.scatter_add_(1, targets[:, None], g_out[:, None])
+    if t != 1.0:
+        g.div_(t)
+    return g
 
 
 def chunked_linear_logprobs(
