@@ -54,6 +54,10 @@ TITAN_CONFIGS = {
     "titan+chunked+compile+bf16+sdpa": {
         "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa"
     },
+    "titan+chunked8k+compile+bf16+sdpa+keep": {
+        "logprob_chunk_size": 8192, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
+        "logprob_keep_logits": True,
+    },
     # ... and the chunked head's bf16 logits kept for backward instead of recomputed (+5 GB).
     "titan+chunked+compile+bf16+sdpa+keep": {
         "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
@@ -189,18 +193,44 @@ def policy_loop(
     return times, extra  # the policy is freed with this frame (main collects)
 
 
+class GcPauses:
+    """Time spent in Python's garbage collector while active (a host pause the GPU may wait for)."""
+
+    def __init__(self) -> None:
+        self.total_s, self.max_s, self.count, self._t0 = 0.0, 0.0, 0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            pause = time.perf_counter() - self._t0
+            self.total_s, self.max_s, self.count = self.total_s + pause, max(self.max_s, pause), self.count + 1
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def _profile(step, dev: torch.device, n: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, GcPauses() as pauses:
         sync(dev)
         t0 = time.perf_counter()
         for _ in range(n):
             step()
         sync(dev)
         wall = time.perf_counter() - t0
-    return profile_summary(prof, n, wall)
+    try:
+        summary = profile_summary(prof, n, wall)
+    except Exception as e:  # noqa: BLE001 - a report bug must not cost the measured config
+        summary = {"wall_per_step_s": wall / n, "gpu_busy_per_step_s": 0.0, "gpu_idle_fraction": 1.0, "error": repr(e)}
+    summary["gc_ms_per_step"], summary["gc_max_pause_ms"] = pauses.total_s * 1e3 / n, pauses.max_s * 1e3
+    return summary
 
 
 def parse_config(name: str) -> tuple[dict, bool, float]:
@@ -278,10 +308,12 @@ def _device_kernels(events) -> list:
     ]  # fmt: skip
 
 
-def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
+def profile_summary(prof, n_steps: int, wall_s: float) -> dict:  # noqa: C901 - one report
     """GPU busy time per step (sum of the kernels' own times; CPU-side ops that launched them are not counted
     again) against the wall time, the time by kind of kernel, the top kernels, and the largest idle gaps between
     consecutive kernels (with the kernels either side: where the GPU waited for the host)."""
+    from torch.autograd import DeviceType
+
     kernels = [e for e in _device_kernels(prof.key_averages()) if e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     by_kind: dict[str, float] = {}
@@ -290,10 +322,27 @@ def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3 / n_steps
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]
     timeline = sorted(_device_kernels(prof.events()), key=lambda e: e.time_range.start)
+    # Host-side ranges a gap can be charged to: the Policy's named phases, the optimiser, aten ops.
+    host = [
+        e for e in prof.events()
+        if getattr(e, "device_type", None) == DeviceType.CPU and e.name.startswith(("meshrl.", "Optimizer.", "aten::"))
+    ]  # fmt: skip
+
+    def charged_to(start: float, end: float) -> str:
+        """The named host ranges covering most of [start, end]: the Policy's phase and the innermost op."""
+        covering = [
+            e for e in host
+            if min(end, e.time_range.end) - max(start, e.time_range.start) > 0.5 * (end - start)
+        ]  # fmt: skip
+        phase = min((e for e in covering if e.name.startswith("meshrl.")), key=lambda e: e.cpu_time_total, default=None)
+        op = min(covering, key=lambda e: e.time_range.end - e.time_range.start, default=None)
+        names = [x.name for x in (phase, op) if x is not None]
+        return " / ".join(dict.fromkeys(names)) or "(no profiled op: Python)"
+
     gaps, last_end, last_name = [], None, ""
     for e in timeline:  # a gap: no kernel running on any stream
         if last_end is not None and e.time_range.start - last_end > 20:  # µs
-            gaps.append((e.time_range.start - last_end, last_name[:60], e.name[:60]))
+            gaps.append((e.time_range.start - last_end, last_name[:50], e.name[:50], last_end, e.time_range.start))
         if last_end is None or e.time_range.end >= last_end:
             last_end, last_name = e.time_range.end, e.name
     gaps.sort(reverse=True)
@@ -303,8 +352,8 @@ def profile_summary(prof, n_steps: int, wall_s: float) -> dict:
         "gpu_idle_fraction": 1 - busy_us / 1e6 / wall_s,
         "ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms_per_step": [[e.key[:90], e.self_device_time_total / 1e3 / n_steps, e.count] for e in top],
-        "gaps_over_20us_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / n_steps,
-        "largest_gaps_ms": [[g / 1e3, before, after] for g, before, after in gaps[:12]],
+        "gaps_over_20us_ms_per_step": sum(g[0] for g in gaps) / 1e3 / n_steps,
+        "largest_gaps_ms": [[g / 1e3, before, after, charged_to(t0, t1)] for g, before, after, t0, t1 in gaps[:12]],
     }
 
 
@@ -412,10 +461,17 @@ def main() -> None:
                 f"({1 - prof['gpu_idle_fraction']:.0%})",
                 flush=True,
             )
+            if "error" in prof:
+                print(f"    profile report failed: {prof['error']}")
+                prof = {**prof, "ms_per_step_by_kind": {}, "gaps_over_20us_ms_per_step": 0.0, "largest_gaps_ms": []}
+                prof["top_kernels_ms_per_step"] = []
             print("    by kind: " + ", ".join(f"{k} {ms:.1f} ms" for k, ms in prof["ms_per_step_by_kind"].items()))
-            print(f"    idle gaps > 20 us: {prof['gaps_over_20us_ms_per_step']:.1f} ms/step; largest:")
-            for ms, before, after in prof["largest_gaps_ms"]:
-                print(f"      {ms:6.2f} ms  after {before}  before {after}")
+            print(
+                f"    idle gaps > 20 us: {prof['gaps_over_20us_ms_per_step']:.1f} ms/step; Python GC "
+                f"{prof['gc_ms_per_step']:.1f} ms/step (max pause {prof['gc_max_pause_ms']:.1f} ms); largest gaps:"
+            )
+            for ms, before, after, where in prof["largest_gaps_ms"]:
+                print(f"      {ms:6.2f} ms in {where}: after {before} | before {after}")
             for key, ms, count in prof["top_kernels_ms_per_step"]:
                 print(f"    {ms:8.2f} ms x{count:<5} {key}", flush=True)
         write_json("trainer_speed", payload)  # after every config: a later failure keeps what was measured

@@ -17,9 +17,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
@@ -33,28 +35,29 @@ if TYPE_CHECKING:
 
 
 def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch.Tensor, LossBatch]:
-    """Right-pad a list of Datum into `[B, L]` tokens and `[B, L-1]` target-aligned tensors."""
+    """Right-pad a list of Datum into `[B, L]` tokens and `[B, L-1]` target-aligned tensors. Built in numpy:
+    converting Python lists there is ~6x faster than `torch.tensor` (the GPU waits for this every step)."""
     max_len = max(len(d.tokens) for d in data)
     B, T = len(data), max_len - 1
-    tokens = torch.full((B, max_len), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    old = torch.zeros(B, T)
+    tokens = np.full((B, max_len), pad_id, dtype=np.int64)
+    mask = np.zeros((B, T), dtype=np.float32)
+    old = np.zeros((B, T), dtype=np.float32)
     has_ref = all(d.ref_logprobs is not None for d in data)
-    ref = torch.zeros(B, T) if has_ref else None
+    ref = np.zeros((B, T), dtype=np.float32) if has_ref else None
     for i, d in enumerate(data):
         n = len(d.tokens)
-        tokens[i, :n] = torch.tensor(d.tokens)
-        mask[i, : n - 1] = torch.tensor(d.loss_mask, dtype=torch.float32)
+        tokens[i, :n] = d.tokens
+        mask[i, : n - 1] = d.loss_mask
         if d.old_logprobs is not None:
-            old[i, : n - 1] = torch.tensor(d.old_logprobs, dtype=torch.float32)
+            old[i, : n - 1] = d.old_logprobs
         if ref is not None:
-            ref[i, : n - 1] = torch.tensor(d.ref_logprobs, dtype=torch.float32)
-    adv = torch.tensor([d.advantage for d in data], dtype=torch.float32)
-    return tokens.to(device), LossBatch(
-        mask=mask.to(device),
-        old_logprobs=old.to(device),
-        advantages=adv.to(device),
-        ref_logprobs=None if ref is None else ref.to(device),
+            ref[i, : n - 1] = d.ref_logprobs
+    adv = np.array([d.advantage for d in data], dtype=np.float32)
+    return torch.from_numpy(tokens).to(device), LossBatch(
+        mask=torch.from_numpy(mask).to(device),
+        old_logprobs=torch.from_numpy(old).to(device),
+        advantages=torch.from_numpy(adv).to(device),
+        ref_logprobs=None if ref is None else torch.from_numpy(ref).to(device),
     )
 
 
@@ -167,16 +170,25 @@ class Policy:
         return self.backend.target_logprobs(tokens, temperature, positions)
 
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
-        check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
-        local = self._local_shard(data)
-        tokens, batch = collate(local, self.pad_id, self.device)
-        logprobs = self._logprobs(tokens, loss.temperature, collate_positions(local, self.device))
-        # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
-        scaled, metrics = compute_loss(logprobs, batch, loss)
+        # The named ranges show in torch profiler traces (host time the GPU waits for, e.g. collate).
+        with record_function("meshrl.collate"):
+            check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
+            local = self._local_shard(data)
+            tokens, batch = collate(local, self.pad_id, self.device)
+            positions = collate_positions(local, self.device)
+        with record_function("meshrl.forward"):
+            logprobs = self._logprobs(tokens, loss.temperature, positions)
+            # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
+            scaled, metrics = compute_loss(logprobs, batch, loss)
         # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
         # all-reduce below, the same on every rank, so all raise together. No host sync before backward.
         nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
-        scaled.backward()
+        with record_function("meshrl.backward"):
+            scaled.backward()
+        with record_function("meshrl.results"):
+            return self._forward_backward_result(scaled, batch, nonfinite, metrics, logprobs, local)
+
+    def _forward_backward_result(self, scaled, batch, nonfinite, metrics, logprobs, local) -> ForwardBackwardResult:
         stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
         dist.all_reduce(stats)
         if stats[2] > 0:
@@ -206,7 +218,8 @@ class Policy:
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        with record_function("meshrl.clip_grad_norm"):
+            norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
         # Fused AdamW on plain tensors skips the update on the device when the norm is not finite (its found_inf,
         # as GradScaler uses it): the host reads the norm after the step is queued, so the GPU never idles
         # waiting for that read. Otherwise the norm is read first and the step not taken.
