@@ -61,6 +61,23 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
     )
 
 
+def _host_value_when_ready(t: torch.Tensor):
+    """Start copying a device scalar to the host; the returned function waits for that copy alone (not for
+    work queued after it) and gives the value."""
+    if t.device.type != "cuda":
+        return lambda: float(t)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> float:
+        copied.synchronize()
+        return float(host)
+
+    return read
+
+
 def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor | None:
     """`[B, L]` positions for packed rows (None when no datum is packed). Padding continues the last document,
     whose loss mask is 0 there."""
@@ -191,6 +208,7 @@ class Policy:
     def _forward_backward_result(self, scaled, batch, nonfinite, metrics, logprobs, local) -> ForwardBackwardResult:
         stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
         dist.all_reduce(stats)
+        stats = stats.tolist()  # one device-to-host read
         if stats[2] > 0:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -214,20 +232,26 @@ class Policy:
     def optim_step(self, p: OptimParams) -> OptimResult:
         for group in self.optimizer.param_groups:
             group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
-        params = [q for q in self.model.parameters() if q.grad is not None]
+        params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
         if not params:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
         with record_function("meshrl.clip_grad_norm"):
             norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
         # Fused AdamW on plain tensors skips the update on the device when the norm is not finite (its found_inf,
-        # as GradScaler uses it): the host reads the norm after the step is queued, so the GPU never idles
-        # waiting for that read. Otherwise the norm is read first and the step not taken.
+        # as GradScaler uses it), so the step is queued before the host reads the norm, and the host waits only
+        # for that read, not for the update: the GPU never idles between the two and optim_step returns while
+        # the update runs (later work on the stream, weight publishing included, is ordered after it).
+        # Otherwise the norm is read first and the step not taken.
         skip_on_device = bool(self.optimizer.defaults.get("fused")) and not any(isinstance(q, DTensor) for q in params)
         if skip_on_device:
             self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+            read_norm = _host_value_when_ready(norm)
             self.optimizer.step()
-        grad_norm = float(norm)
+            self.optimizer.zero_grad(set_to_none=True)  # taken or skipped, these gradients are spent
+            grad_norm = read_norm()
+        else:
+            grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -236,7 +260,7 @@ class Policy:
             )
         if not skip_on_device:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         return OptimResult(grad_norm=grad_norm, lr=p.lr, policy_version=self.policy_version)
 
