@@ -23,7 +23,7 @@ piece)
   mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
   ;;
 titan)
-  configs=${2:-plain-titan,titan+chunked+compile+bf16+noclip,titan+chunked+compile,actor:titan+chunked+compile+bf16+noclip}
+  configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep+noclip,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
     mkdir -p /tmp/chunks && cp .chunks/nccl.03 /tmp/chunks/
     cat /tmp/chunks/torch.* > /tmp/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl

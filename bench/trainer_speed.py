@@ -8,8 +8,10 @@ the speed levers, beside the plain transformers loop, in one run on one GPU.
 
 With `--backend torchtitan` the baseline is the bare torchtitan loop ("plain-titan": torchtitan's Qwen3 built
 on the meta device, materialised on the GPU in pure bf16, flex attention (torchtitan's compiled flex), each
-block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors) and ours is
-`Policy(backend="torchtitan", attn_backend="flex")` with the levers (FSDP2 on one rank, fp32 master weights).
+block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors; 'plain-titan-sdpa': the
+same with torchtitan's SDPA) and ours is `Policy(backend="torchtitan")` with the config's levers: flex attention
+unless the config says `attn_backend: sdpa` (cuDNN first), `logprob_keep_logits` (`+keep`), etc. `actor:` configs
+drive the PolicyTrainer actor from this process through the Controller.
 MFU = (6 N + 12 L H Q T) FLOPs per token (N all parameters, the tied head counted once; L layers, H heads,
 Q head dim, T sequence length: the attention term as torchtitan counts it) x tokens/s, over the H100's
 989 TFLOP/s dense bf16 (and over the 779 TFLOP/s matmul measured on this machine, GPU.md).
