@@ -11,7 +11,8 @@ on the meta device, materialised on the GPU in pure bf16, flex attention (torcht
 block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors; 'plain-titan-sdpa': the
 same with torchtitan's SDPA) and ours is `Policy(backend="torchtitan")` with the config's levers: flex attention
 unless the config says `attn_backend: sdpa` (cuDNN first), `logprob_keep_logits` (`+keep`), etc. `actor:` configs
-drive the PolicyTrainer actor from this process through the Controller.
+drive the PolicyTrainer actor from this process through the Controller, `optim_step` queued behind
+`forward_backward` as the GRPO loop does (`actor-wait:` reads each result before the next call).
 MFU = (6 N + 12 L H Q T) FLOPs per token (N all parameters, the tied head counted once; L layers, H heads,
 Q head dim, T sequence length: the attention term as torchtitan counts it) x tokens/s, over the H100's
 989 TFLOP/s dense bf16 (and over the 779 TFLOP/s matmul measured on this machine, GPU.md).
@@ -235,24 +236,35 @@ def _profile(step, dev: torch.device, n: int = 2) -> dict:
     return summary
 
 
-def parse_config(name: str) -> tuple[dict, bool, float]:
-    """`[actor:]<config>[+noclip]` -> (levers, through the PolicyTrainer actor?, grad_clip)."""
-    via_actor = name.startswith("actor:")
-    base = name.removeprefix("actor:")
+def parse_config(name: str) -> tuple[dict, str | None, float]:
+    """`[actor:|actor-wait:]<config>[+noclip]` -> (levers, how the PolicyTrainer actor is driven (None: `Policy`
+    directly), grad_clip)."""
+    prefix, _, rest = name.partition(":")
+    via_actor = prefix if rest and prefix in ("actor", "actor-wait") else None
+    base = rest if via_actor else name
     grad_clip = 0.0 if base.endswith("+noclip") else 1.0
     base = base.removesuffix("+noclip")
     levers = {**CONFIGS, **TITAN_CONFIGS}.get(base)
     if levers is None:
         known = ", ".join(["plain", "plain-titan", *CONFIGS, *TITAN_CONFIGS])
-        raise SystemExit(f"unknown config {name!r}; known: {known} (prefix actor:, suffix +noclip)")
+        raise SystemExit(f"unknown config {name!r}; known: {known} (prefix actor: or actor-wait:, suffix +noclip)")
     return levers, via_actor, grad_clip
 
 
 def actor_loop(
-    model_dir: str, tokens: torch.Tensor, warmup: int, steps: int, levers: dict, backend: str, grad_clip: float
+    model_dir: str,
+    tokens: torch.Tensor,
+    warmup: int,
+    steps: int,
+    levers: dict,
+    backend: str,
+    grad_clip: float,
+    wait_for_results: bool = False,
 ) -> tuple[list[float], dict]:
     """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
-    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included."""
+    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included. As the GRPO loop does it,
+    `optim_step` is queued behind `forward_backward` (`num_micro_batches`) before its result is read;
+    `wait_for_results` (config prefix `actor-wait:`) reads it first, one round trip later."""
     ensure_meshrl_layout()
     from meshrl.config import ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
@@ -275,8 +287,11 @@ def actor_loop(
     ) as ctl:  # fmt: skip
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            fb = ctl.forward_backward(data, spec).result()
-            ctl.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip)).result()
+            fb = ctl.forward_backward(data, spec)
+            if wait_for_results:
+                fb.result()
+            opt = ctl.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip, num_micro_batches=1))
+            fb, _ = fb.result(), opt.result()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             first_loss = fb.loss if first_loss is None else first_loss
@@ -428,8 +443,9 @@ def main() -> None:
                 levers, via_actor, grad_clip = parse_config(name)
                 if via_actor:
                     times, extra = actor_loop(
-                        model_dir, tokens, args.warmup, args.steps, levers, args.backend, grad_clip
-                    )
+                        model_dir, tokens, args.warmup, args.steps, levers, args.backend, grad_clip,
+                        wait_for_results=via_actor == "actor-wait",
+                    )  # fmt: skip
                 else:
                     times, extra = policy_loop(
                         model_dir, tokens, args.warmup, args.steps, levers, args.backend, grad_clip, args.profile

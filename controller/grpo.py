@@ -75,7 +75,6 @@ def rl_step(
     # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
     loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens)
     pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
-    results = [p.result() for p in pending]
     lr = lr_at(
         step,
         peak_lr=cfg.optim.lr,
@@ -91,8 +90,13 @@ def rl_step(
             eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay,
             grad_clip=cfg.optim.grad_clip,
+            # Queued behind the micro-batches, not after reading their results: the trainer goes from the last
+            # backward straight to the step. The count makes it refuse a batch in which a micro-batch failed.
+            num_micro_batches=len(pending),
         )
-    ).result()
+    )
+    results = [p.result() for p in pending]  # a failed micro-batch raises its own error here
+    opt = opt.result()
     t3 = time.perf_counter()
 
     sync = ctl.sync_weights()

@@ -122,7 +122,6 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                 data = to_data(train, indices)
             loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
             pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
-            train_loss = sum(p.result().loss for p in pending)
             lr = lr_at(
                 step,
                 peak_lr=cfg.optim.lr,
@@ -138,8 +137,11 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                     eps=cfg.optim.eps,
                     weight_decay=cfg.optim.weight_decay,
                     grad_clip=cfg.optim.grad_clip,
+                    num_micro_batches=len(pending),  # queued behind the micro-batches (see grpo.rl_step)
                 )
-            ).result()
+            )
+            train_loss = sum(p.result().loss for p in pending)
+            opt = opt.result()
             run.log(
                 {
                     "phase": "sft",

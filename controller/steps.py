@@ -60,9 +60,14 @@ def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int
         data = [Datum.from_completion(*task.demonstration_ids(e)) for e in rng.sample(task.train, cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro_batch_size)]
-        nll = sum(p.result().loss for p in pending)
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
-        opt = ctl.optim_step(OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)).result()
+        opt_pending = ctl.optim_step(  # queued behind the micro-batches (see grpo.rl_step)
+            OptimParams(
+                lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip, num_micro_batches=len(pending)
+            )
+        )
+        nll = sum(p.result().loss for p in pending)
+        opt = opt_pending.result()
         log(
             {
                 "phase": "warmup",

@@ -28,6 +28,7 @@ from meshrl.models import qwen3
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
 from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
+from meshrl.optim import FusedAdamW, clip_divisor, grad_norm
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:
@@ -61,19 +62,19 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
     )
 
 
-def _host_value_when_ready(t: torch.Tensor):
-    """Start copying a device scalar to the host; the returned function waits for that copy alone (not for
-    work queued after it) and gives the value."""
+def _host_copy_when_ready(t: torch.Tensor):
+    """Start copying a device tensor to the host; the returned function waits for that copy alone (not for
+    work queued after it) and gives the host tensor."""
     if t.device.type != "cuda":
-        return lambda: float(t)
+        return lambda: t.detach().cpu()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t.detach(), non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
 
-    def read() -> float:
+    def read() -> torch.Tensor:
         copied.synchronize()
-        return float(host)
+        return host
 
     return read
 
@@ -154,6 +155,7 @@ class Policy:
             raise ValueError(f"model backend {backend!r}; use 'torchtitan' or 'hf'")
         self.model, self.max_seq_len = self.backend.model, self.backend.max_seq_len
         self.policy_version = 0
+        self.num_micro_batches = 0  # forward_backward calls that succeeded since the last step (OptimParams)
         self.load_hf(model_dir)
         self.num_params = sum(p.numel() for p in self.model.parameters())
 
@@ -187,6 +189,11 @@ class Policy:
         return self.backend.target_logprobs(tokens, temperature, positions)
 
     def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
+        result = self._forward_backward(data, loss)
+        self.num_micro_batches += 1
+        return result
+
+    def _forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
         # The named ranges show in torch profiler traces (host time the GPU waits for, e.g. collate).
         with record_function("meshrl.collate"):
             check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
@@ -200,15 +207,17 @@ class Policy:
         # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
         # all-reduce below, the same on every rank, so all raise together. No host sync before backward.
         nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
+        logprobs_on_host = _host_copy_when_ready(logprobs)  # queued before backward: ready when forward is
         with record_function("meshrl.backward"):
             scaled.backward()
         with record_function("meshrl.results"):
-            return self._forward_backward_result(scaled, batch, nonfinite, metrics, logprobs, local)
+            stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
+            dist.all_reduce(stats)
+            # The per-datum lists are built while the GPU runs the backward, not after it.
+            rows = self._rows(logprobs_on_host(), local)
+            return self._forward_backward_result(stats.tolist(), metrics, rows)  # one read of the statistics
 
-    def _forward_backward_result(self, scaled, batch, nonfinite, metrics, logprobs, local) -> ForwardBackwardResult:
-        stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
-        dist.all_reduce(stats)
-        stats = stats.tolist()  # one device-to-host read
+    def _forward_backward_result(self, stats: list[float], metrics: dict, rows: list[list[float]]):
         if stats[2] > 0:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -217,7 +226,7 @@ class Policy:
                 "lower optim.lr"
             )
         return ForwardBackwardResult(
-            logprobs=self._gather_rows(logprobs.detach(), local),
+            logprobs=self._gather_rows(rows),
             loss=float(stats[0]),
             metrics={k: float(v) for k, v in zip(metrics, stats[3:], strict=True)},
             num_tokens=int(stats[1]),
@@ -227,45 +236,55 @@ class Policy:
     def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
         local = self._local_shard(data)
         tokens, _ = collate(local, self.pad_id, self.device)
-        return self._gather_rows(self._logprobs(tokens, temperature, collate_positions(local, self.device)), local)
+        logprobs = self._logprobs(tokens, temperature, collate_positions(local, self.device))
+        return self._gather_rows(self._rows(logprobs.cpu(), local))
 
     def optim_step(self, p: OptimParams) -> OptimResult:
+        done, self.num_micro_batches = self.num_micro_batches, 0
+        if p.num_micro_batches is not None and done != p.num_micro_batches:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise RuntimeError(
+                f"optim_step expected {p.num_micro_batches} successful forward_backward calls since the last step, "
+                f"got {done}: the step was not taken and the gradients were discarded (a failed call raised its "
+                "own error; see it for the cause)"
+            )
         for group in self.optimizer.param_groups:
             group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
-        params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
-        if not params:
+        grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
+        if not grads:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        with record_function("meshrl.clip_grad_norm"):
-            norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        # Fused AdamW on plain tensors skips the update on the device when the norm is not finite (its found_inf,
-        # as GradScaler uses it), so the step is queued before the host reads the norm, and the host waits only
-        # for that read, not for the update: the GPU never idles between the two and optim_step returns while
-        # the update runs (later work on the stream, weight publishing included, is ordered after it).
-        # Otherwise the norm is read first and the step not taken.
-        skip_on_device = bool(self.optimizer.defaults.get("fused")) and not any(isinstance(q, DTensor) for q in params)
-        if skip_on_device:
-            self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
-            read_norm = _host_value_when_ready(norm)
+        if isinstance(self.optimizer, FusedAdamW):
+            # The norm, the clip (inside the fused update) and the skip of a non-finite step (found_inf, as
+            # GradScaler uses it) all stay on the device, so the step is queued before the host reads the norm
+            # and the host waits for that read alone: optim_step returns while the update runs (later work on
+            # the stream, weight publishing included, is ordered after it).
+            with record_function("meshrl.grad_norm"):
+                norm = grad_norm(grads)
+                self.optimizer.grad_scale = clip_divisor(norm, max_norm)
+                self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+                norm_on_host = _host_copy_when_ready(norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)  # taken or skipped, these gradients are spent
-            grad_norm = read_norm()
-        else:
-            grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
+            norm_value = float(norm_on_host())
+        else:  # FSDP's DTensors, CPU: the norm is read before the step
+            with record_function("meshrl.clip_grad_norm"):
+                params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
+                norm_value = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            if math.isfinite(norm_value):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(norm_value):
             raise FloatingPointError(
-                f"grad norm is {grad_norm} at policy_version={self.policy_version}: the step was skipped and the "
+                f"grad norm is {norm_value} at policy_version={self.policy_version}: the step was skipped and the "
                 "gradients discarded; lower optim.lr or check the inputs"
             )
-        if not skip_on_device:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
-        return OptimResult(grad_norm=grad_norm, lr=p.lr, policy_version=self.policy_version)
+        return OptimResult(grad_norm=norm_value, lr=p.lr, policy_version=self.policy_version)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        self.num_micro_batches = 0
 
     # ---- full training state (torch DCP: sharded, reshardable on load) ------------------------------------
     def save_state(self, path: str) -> None:
@@ -301,6 +320,7 @@ class Policy:
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.policy_version = int(json.loads(meta_path.read_text())["policy_version"])
+        self.num_micro_batches = 0
         return self.policy_version
 
     # ---- weights in and out -------------------------------------------------------------------------------
@@ -341,18 +361,27 @@ class Policy:
             param.grad = None
         # Only trainable weights (with LoRA: the adapters) are in the optimiser.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        # Fused AdamW on GPU (one kernel for all tensors; supports FSDP2's DTensors); foreach on CPU, whose
-        # results the CPU tests compare bitwise across runs.
-        impl = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(trainable, lr=0.0, **impl)
+        self.num_micro_batches = 0
+        # Fused AdamW on GPU (one kernel for all tensors): ours on plain tensors (meshrl.optim: no per-tensor
+        # host work), torch's for FSDP2's DTensors; foreach on CPU, whose results the CPU tests compare bitwise
+        # across runs.
+        if self.device.type != "cuda":
+            self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)
+        elif any(isinstance(q, DTensor) for q in trainable):
+            self.optimizer = torch.optim.AdamW(trainable, lr=0.0, fused=True)
+        else:
+            self.optimizer = FusedAdamW(trainable, lr=0.0)
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _gather_rows(self, logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
-        """Per-datum logprobs of every rank's rows, in the batch's order, on every rank."""
-        host = logprobs.cpu()  # one device-to-host copy, not one per row
-        rows = [host[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
+    @staticmethod
+    def _rows(host_logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
+        """`[B, T]` logprobs on the host (one device-to-host copy, not one per row) -> one list per datum."""
+        return [host_logprobs[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
+
+    def _gather_rows(self, rows: list[list[float]]) -> list[list[float]]:
+        """Every rank's per-datum rows, in the batch's order, on every rank."""
         if self.world_size == 1:
             return rows
         gathered: list[list[list[float]] | None] = [None] * self.world_size

@@ -148,10 +148,17 @@ class OptimParams:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # 0: no clipping (the norm is still reported)
+    # When set, the step is taken only if exactly this many forward_backward calls succeeded since the last
+    # step; otherwise it is refused and the gradients discarded. A controller can then queue optim_step behind
+    # its forward_backward calls without waiting for their results (the trainer never idles for the round trip)
+    # and still never steps on a partial batch when one of them failed.
+    num_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:
             raise ValueError(f"lr={self.lr} must be >= 0")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches={self.num_micro_batches} must be >= 1 (or None: not checked)")
 
 
 @dataclass
