@@ -23,7 +23,7 @@ piece)
   mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
   ;;
 titan)
-  configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep+noclip,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
+  configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+eageropt,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
     mkdir -p /tmp/chunks && cp .chunks/nccl.03 /tmp/chunks/
     cat /tmp/chunks/torch.* > /tmp/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -38,6 +38,8 @@ titan)
   (cd bench && PYTHONPATH=$PWD/../src python3 -c "from common import make_model_dir; make_model_dir('/tmp/model06b', tiny=False)")
   export PYTHONPATH=/tmp/site:$PWD/src LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2
   python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name())"
+  # meshrl.optim's CUDA-graph step against the eager one (GPU-only tests, skipped on the CPU machines)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_optim.py 2>&1 | tail -15 | tee "$OUT/test_optim_gpu.log"
   cd bench && timeout 540 python3 trainer_speed.py --backend torchtitan --profile --warmup 3 --steps 5 \
     --model-dir /tmp/model06b --configs "$configs" 2>&1 | grep -v -E "Warning|warnings.warn" | tee "$OUT/trainer_speed_titan.log"
   ;;

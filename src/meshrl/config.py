@@ -102,6 +102,11 @@ class TrainerConfig:
     compute in model.dtype. 'bfloat16': pure bf16 training, as torchtitan's and most bare loops run it — half the
     optimiser memory and traffic, no cast per step, but updates smaller than a bf16 step of the weight round
     away (needs model.dtype='bfloat16')."""
+    optimizer_cuda_graph: bool = True
+    """Speed lever, one GPU without FSDP sharding (e.g. master_dtype='bfloat16', num_procs=1): the optimiser step
+    (grad norm, clip, AdamW, zeroing) is replayed as one CUDA graph instead of launches built on the host
+    (~5 ms of idle GPU per step at 0.6B parameters). Gradients then stay allocated between steps. Falls back to
+    the eager step, with a warning, if capture fails; no effect on CPU or with FSDP."""
 
     def policy_options(self) -> dict:
         """The speed levers as keyword arguments of `meshrl.policy.Policy`."""
@@ -111,6 +116,7 @@ class TrainerConfig:
             "compile": self.compile,
             "activation_checkpointing": self.activation_checkpointing,
             "master_dtype": self.master_dtype,
+            "optimizer_cuda_graph": self.optimizer_cuda_graph,
         }
 
     def __post_init__(self) -> None:

@@ -1,20 +1,21 @@
-"""The single-device GPU optimiser step with almost no host work: torch's fused AdamW kernel, gradient clipping
-folded into it, and a non-finite step skipped on the device.
+"""The single-device optimiser step with almost no host work: the global grad norm, the clip, AdamW and the
+zeroing of the gradients all queued on the device (torch's fused AdamW kernel; the clip is its `grad_scale`
+divisor and a non-finite step is skipped by its `found_inf`, as GradScaler uses them), optionally replayed
+as one CUDA graph.
 
 Why: on one GPU the optimiser step runs while the GPU is idle, right after `forward_backward` has returned its
-host values, so every millisecond of Python here is a millisecond of idle GPU per step. `torch.optim.AdamW.step`
-walks every parameter in Python (state lookup, checks, list building: ~2 ms for Qwen3-0.6B's 310 tensors on an
-H100 host) and `clip_grad_norm_` moves each per-tensor norm and builds its `stack` argument in Python (~4 ms).
-Here the lists are built once, the norm is one `_foreach_norm` + `stack`, and the clip is the fused kernel's
-`grad_scale` (the gradient is divided by it in float32 inside the update, as GradScaler unscales), so a step is
-five kernel launches whatever the number of tensors.
+host values, so every millisecond of host work here is a millisecond of idle GPU per step. `AdamW.step` walks
+every parameter in Python, and torch's multi-tensor kernels (`_foreach_norm`, fused AdamW, `_foreach_zero_`)
+build their launch metadata on the host chunk by chunk (65 536 elements per chunk, ~9 000 chunks for 0.6 B
+parameters): ~6 ms of idle GPU per step on an H100 host for Qwen3-0.6B, measured (bench/NOTES.md). A CUDA graph
+of the whole step replays those launches with no host work.
 
 Plain tensors only (FSDP's DTensors keep `clip_grad_norm_` + `torch.optim.AdamW`, see `Policy.optim_step`).
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 from torch.optim.adamw import adamw
@@ -28,61 +29,148 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
 
 
-def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """What to divide the gradients by so their norm is at most `max_norm` (1 when it already is; NaN/inf for
-    a non-finite norm, a step that is skipped anyway). `clip_grad_norm_`'s rule: scale by max_norm / (norm + 1e-6)
-    when that is below 1."""
-    if math.isinf(max_norm):
-        return torch.ones_like(norm)
+def clip_divisor(norm: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """What to divide the gradients by so their norm is at most `max_norm` (1 when it already is, and for
+    max_norm=inf; not finite for a non-finite norm, a step that is skipped anyway). `clip_grad_norm_`'s rule: scale by
+    max_norm / (norm + 1e-6) when that is below 1."""
     return torch.clamp((norm + 1e-6) / max_norm, min=1.0)
 
 
 class FusedAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW(fused=True)` whose step, after the first one, skips the per-parameter Python walk:
-    the parameter and state lists are built once and the fused kernel called on them directly. Same kernel,
-    same state layout and `state_dict` as torch's (checkpoints move between the two), same `grad_scale` /
-    `found_inf` attributes (set them before `step`; they are cleared after it)."""
+    """`torch.optim.AdamW(fused=True)` (same kernel, state layout and `state_dict`: checkpoints move between the
+    two; its `step` is unchanged) plus `clip_and_step`, the whole optimiser step queued on the device.
 
-    def __init__(self, params, lr: float = 1e-3, **kwargs) -> None:
+    `cuda_graph=True` (CUDA only): `clip_and_step` runs eagerly once, then is captured as a CUDA graph and
+    replayed; the learning rates and `max_norm` are device tensors filled before each replay. The gradients
+    become static buffers: zeroed in place, never set to None, so backward accumulates into them (one extra
+    add per parameter on the GPU, and one gradient's memory held between steps). The graph is captured again
+    when a gradient tensor, a hyperparameter other than lr or the optimiser state (load_state_dict) changes; a
+    step where some parameter has no gradient runs eagerly. If capture fails, it warns and stays eager."""
+
+    def __init__(self, params, lr: float = 1e-3, *, cuda_graph: bool = False, **kwargs) -> None:
         super().__init__(params, lr=lr, fused=True, **kwargs)
+        self.cuda_graph = cuda_graph
         self._lists: list[tuple[list, list, list, list]] | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_warm = False
 
+    # ---- bookkeeping -------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._lists = None  # the state tensors were replaced
+        self._forget_lists()  # the state tensors were replaced
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self._lists = None
+        self._forget_lists()
 
-    def _build_lists(self) -> list[tuple[list, list, list, list]] | None:
-        lists = []
-        for group in self.param_groups:
-            if group["amsgrad"] or group["maximize"] or not all(self.state.get(p) for p in group["params"]):
-                return None  # first step (state not allocated yet) or an option the fast path does not carry
-            states = [self.state[p] for p in group["params"]]
-            lists.append((group["params"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                          [s["step"] for s in states]))  # fmt: skip
-        return lists
+    def _forget_lists(self) -> None:
+        self._lists, self._graph, self._graph_warm = None, None, False
 
+    def _state_lists(self) -> list[tuple[list, list, list, list]]:
+        """Per group: params, exp_avgs, exp_avg_sqs, steps, the state allocated as torch's fused AdamW does."""
+        if self._lists is None:
+            lists = []
+            for group in self.param_groups:
+                if group["amsgrad"] or group["maximize"]:
+                    raise ValueError("FusedAdamW.clip_and_step supports neither amsgrad nor maximize")
+                for p in group["params"]:
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                states = [self.state[p] for p in group["params"]]
+                lists.append((group["params"], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                              [s["step"] for s in states]))  # fmt: skip
+            self._lists = lists
+        return self._lists
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._graph is not None:  # the captured gradient buffers stay; the graph reads them
+            grads = [p.grad for params, *_ in self._state_lists() for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ---- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        try:
-            if closure is None and self._lists is None:
-                self._lists = self._build_lists()
-            if closure is not None or self._lists is None:
-                return super().step(closure)  # torch's walk allocates the state; the next step takes the lists
-            grads_per_group = [[p.grad for p in params] for params, *_ in self._lists]
-            if any(g is None for grads in grads_per_group for g in grads):
-                return super().step()  # some parameter got no gradient: torch's walk skips it
-            for group, (params, exp_avgs, exp_avg_sqs, steps), grads in zip(
-                self.param_groups, self._lists, grads_per_group, strict=True
-            ):
-                beta1, beta2 = group["betas"]
-                adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, grad_scale=grad_scale,
-                      found_inf=found_inf, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)  # fmt: skip
-            return None
-        finally:
-            self.grad_scale = self.found_inf = None
+    def clip_and_step(self, max_norm: float) -> torch.Tensor:
+        """Global grad norm (float32 device scalar, returned before clipping), clip to `max_norm` (inf: none),
+        AdamW with each group's hyperparameters — skipped, state included, when the norm is not finite — and
+        the gradients zeroed (set to None when eager, in place with `cuda_graph`). No host sync."""
+        lists = self._state_lists()
+        grads = [[p.grad for p in params] for params, *_ in lists]
+        complete = all(g is not None for gs in grads for g in gs)
+        if self.cuda_graph and complete and self.param_groups[0]["params"][0].device.type == "cuda":
+            norm = self._graphed_step(lists, grads, max_norm)
+            if norm is not None:
+                return norm
+        kept = [[i for i, g in enumerate(gs) if g is not None] for gs in grads]
+        lists = [tuple([lst[i] for i in idx] for lst in group) for group, idx in zip(lists, kept, strict=True)]
+        grads = [[gs[i] for i in idx] for gs, idx in zip(grads, kept, strict=True)]
+        lrs = [group["lr"] for group in self.param_groups]
+        norm = self._update(lists, grads, lrs, max_norm)
+        if self.cuda_graph:  # keep the buffers: the next capture reads them
+            torch._foreach_zero_([g for gs in grads for g in gs])
+        else:
+            for params, *_ in lists:
+                for p in params:
+                    p.grad = None
+        return norm
+
+    def _update(self, lists, grads, lrs, max_norm) -> torch.Tensor:
+        """norm -> clip divisor -> fused AdamW per group (skipped on a non-finite norm). Eager or captured."""
+        norm = grad_norm([g for gs in grads for g in gs])
+        divisor = clip_divisor(norm, max_norm)
+        found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        for group, (params, exp_avgs, exp_avg_sqs, steps), gs, lr in zip(
+            self.param_groups, lists, grads, lrs, strict=True
+        ):
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(params, gs, exp_avgs, exp_avg_sqs, [], steps, fused=True, grad_scale=divisor, found_inf=found_inf,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)  # fmt: skip
+        return norm
+
+    def _graphed_step(self, lists, grads, max_norm: float) -> torch.Tensor | None:
+        flat_grads = [g for gs in grads for g in gs]
+        hyper = [(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.param_groups]
+        if self._graph is not None and (
+            hyper != self._graph_hyper or any(a is not b for a, b in zip(flat_grads, self._graph_grads, strict=True))
+        ):
+            self._graph, self._graph_warm = None, False
+        if self._graph is None:
+            device = flat_grads[0].device
+            if not self._graph_warm:  # the kernels run once eagerly (lazy loading, allocator) before capture
+                self._lr_t = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.param_groups]
+                self._max_norm_t = torch.zeros((), dtype=torch.float32, device=device)
+            self._fill(max_norm)
+            body = lambda: self._update(lists, grads, self._lr_t, self._max_norm_t)  # noqa: E731
+            if not self._graph_warm:
+                norm = body()
+                torch._foreach_zero_(flat_grads)
+                self._graph_warm, self._graph_grads, self._graph_hyper = True, flat_grads, hyper
+                return norm
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._graph_norm = body()
+                    torch._foreach_zero_(flat_grads)
+            except Exception as e:  # noqa: BLE001 - stay correct (eager) rather than fail the run
+                warnings.warn(f"FusedAdamW: CUDA graph capture failed ({e!r}); the optimiser step stays eager",
+                              stacklevel=2)  # fmt: skip
+                self.cuda_graph = False
+                return None
+            self._graph, self._graph_grads, self._graph_hyper = graph, flat_grads, hyper
+        else:
+            self._fill(max_norm)
+        self._graph.replay()
+        return self._graph_norm
+
+    def _fill(self, max_norm: float) -> None:
+        for t, group in zip(self._lr_t, self.param_groups, strict=True):
+            t.fill_(group["lr"])
+        self._max_norm_t.fill_(max_norm)

@@ -28,7 +28,7 @@ from meshrl.models import qwen3
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
 from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
-from meshrl.optim import FusedAdamW, clip_divisor, grad_norm
+from meshrl.optim import FusedAdamW
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:
@@ -113,13 +113,15 @@ class Policy:
         logprob_chunk_size: int = 0,
         logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
+        optimizer_cuda_graph: bool = True,
     ) -> None:
-        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`: the
-        trainer speed levers
+        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`,
+        `optimizer_cuda_graph`: the trainer speed levers
         (TrainerConfig), applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.optimizer_cuda_graph = optimizer_cuda_graph
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
@@ -250,22 +252,16 @@ class Policy:
             )
         for group in self.optimizer.param_groups:
             group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
-        grads = [q.grad for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
-        if not grads:
+        if not done:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
         max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
         if isinstance(self.optimizer, FusedAdamW):
-            # The norm, the clip (inside the fused update) and the skip of a non-finite step (found_inf, as
-            # GradScaler uses it) all stay on the device, so the step is queued before the host reads the norm
-            # and the host waits for that read alone: optim_step returns while the update runs (later work on
-            # the stream, weight publishing included, is ordered after it).
-            with record_function("meshrl.grad_norm"):
-                norm = grad_norm(grads)
-                self.optimizer.grad_scale = clip_divisor(norm, max_norm)
-                self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
-                norm_on_host = _host_copy_when_ready(norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)  # taken or skipped, these gradients are spent
+            # The norm, the clip, the skip of a non-finite step and the zeroing all stay on the device (one CUDA
+            # graph with optimizer_cuda_graph), so the step is queued before the host reads the norm and the host
+            # waits for that read alone: optim_step returns while the update runs (later work on the stream,
+            # weight publishing included, is ordered after it). Taken or skipped, these gradients are spent.
+            with record_function("meshrl.optimizer"):
+                norm_on_host = _host_copy_when_ready(self.optimizer.clip_and_step(max_norm))
             norm_value = float(norm_on_host())
         else:  # FSDP's DTensors, CPU: the norm is read before the step
             with record_function("meshrl.clip_grad_norm"):
@@ -362,15 +358,15 @@ class Policy:
         # Only trainable weights (with LoRA: the adapters) are in the optimiser.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.num_micro_batches = 0
-        # Fused AdamW on GPU (one kernel for all tensors): ours on plain tensors (meshrl.optim: no per-tensor
-        # host work), torch's for FSDP2's DTensors; foreach on CPU, whose results the CPU tests compare bitwise
-        # across runs.
+        # Fused AdamW on GPU: ours on plain tensors (meshrl.optim: the step without host work, a CUDA graph
+        # with optimizer_cuda_graph), torch's for FSDP2's DTensors; foreach on CPU, whose results the CPU tests
+        # compare bitwise across runs.
         if self.device.type != "cuda":
             self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)
         elif any(isinstance(q, DTensor) for q in trainable):
             self.optimizer = torch.optim.AdamW(trainable, lr=0.0, fused=True)
         else:
-            self.optimizer = FusedAdamW(trainable, lr=0.0)
+            self.optimizer = FusedAdamW(trainable, lr=0.0, cuda_graph=self.optimizer_cuda_graph)
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
 
