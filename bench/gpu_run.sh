@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's side of the benchmarks (../shared/GPU.md), one stage per call, from the repo root:
 #
-#   bash bench/gpu_run.sh piece torch.00     # torch 2.13 / NCCL pieces, one per call, back to back (GPU.md step 3)
-#   bash bench/gpu_run.sh titan [configs]    # last call (carries .chunks/nccl.03 .whl .whl_titan): install torch
-#                                            # 2.13 + torchtitan, run trainer_speed.py --backend torchtitan
+#   bash bench/gpu_run.sh piece torch.00     # torch 2.13 / NCCL pieces (torch.00-08, nccl.00-03: 60 MiB each, cut
+#                                            # as ../shared/gpu/make-torch-chunks.sh does but with split -b 60M, so a
+#                                            # piece and the working tree fit one call), one per call, back to back
+#   bash bench/gpu_run.sh titan [configs]    # last call (carries .whl .whl_titan): install torch 2.13 + torchtitan,
+#                                            # GPU-only tests of meshrl.optim, trainer_speed.py --backend torchtitan
 #   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the HFEngine tests on
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
@@ -25,7 +27,7 @@ piece)
 titan)
   configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+eageropt,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
-    mkdir -p /tmp/chunks && cp .chunks/nccl.03 /tmp/chunks/
+    mkdir -p /tmp/chunks && { [ ! -f .chunks/nccl.03 ] || cp .chunks/nccl.03 /tmp/chunks/; }
     cat /tmp/chunks/torch.* > /tmp/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl
     cat /tmp/chunks/nccl.* > /tmp/nvidia_nccl_cu13-2.29.7-py3-none-manylinux_2_18_x86_64.whl
     # .whl_titan repeats a few of .whl's small wheels: install only its own.

@@ -45,6 +45,7 @@ from common import (
     sync,
     write_json,
 )
+from torch.profiler import record_function
 
 TITAN_CONFIGS = {
     "titan": {},
@@ -193,9 +194,11 @@ def policy_loop(
     extra = {"first_step_loss": first_loss, "forward_backward_s": median(fb_times)}
     if profile:
 
-        def step() -> None:
-            policy.forward_backward(data, spec)
-            policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
+        def step() -> None:  # the outer ranges charge idle time outside Policy's own phases to the endpoint
+            with record_function("meshrl.endpoint.forward_backward"):
+                policy.forward_backward(data, spec)
+            with record_function("meshrl.endpoint.optim_step"):
+                policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
 
         extra["profile"] = _profile(step, dev)
     return times, extra  # the policy is freed with this frame (main collects)
@@ -368,7 +371,12 @@ def profile_summary(prof, n_steps: int, wall_s: float) -> dict:  # noqa: C901 - 
         if last_end is None or e.time_range.end >= last_end:
             last_end, last_name = e.time_range.end, e.name
     gaps.sort(reverse=True)
+    by_phase: dict[str, float] = {}
+    for g, *_, t0, t1 in gaps:
+        phase = charged_to(t0, t1).split(" / ")[0]
+        by_phase[phase] = by_phase.get(phase, 0.0) + g / 1e3 / n_steps
     return {
+        "idle_ms_per_step_by_phase": dict(sorted(by_phase.items(), key=lambda kv: -kv[1])),
         "wall_per_step_s": wall_s / n_steps,
         "gpu_busy_per_step_s": busy_us / 1e6 / n_steps,
         "gpu_idle_fraction": 1 - busy_us / 1e6 / wall_s,
@@ -493,6 +501,8 @@ def main() -> None:
                 f"    idle gaps > 20 us: {prof['gaps_over_20us_ms_per_step']:.1f} ms/step; Python GC "
                 f"{prof['gc_ms_per_step']:.1f} ms/step (max pause {prof['gc_max_pause_ms']:.1f} ms); largest gaps:"
             )
+            print("    idle by host phase: " + ", ".join(
+                f"{k} {ms:.1f} ms" for k, ms in prof.get("idle_ms_per_step_by_phase", {}).items()))  # fmt: skip
             for ms, before, after, where in prof["largest_gaps_ms"]:
                 print(f"      {ms:6.2f} ms in {where}: after {before} | before {after}")
             for key, ms, count in prof["top_kernels_ms_per_step"]:

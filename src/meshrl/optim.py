@@ -16,6 +16,7 @@ Plain tensors only (FSDP's DTensors keep `clip_grad_norm_` + `torch.optim.AdamW`
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch.optim.adamw import adamw
@@ -95,35 +96,36 @@ class FusedAdamW(torch.optim.AdamW):
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def clip_and_step(self, max_norm: float) -> torch.Tensor:
-        """Global grad norm (float32 device scalar, returned before clipping), clip to `max_norm` (inf: none),
-        AdamW with each group's hyperparameters — skipped, state included, when the norm is not finite — and
-        the gradients zeroed (set to None when eager, in place with `cuda_graph`). No host sync."""
+    def clip_and_step(self, max_norm: float) -> Callable[[], torch.Tensor]:
+        """Global grad norm (float32, before clipping), clip to `max_norm` (inf: none), AdamW with each group's
+        hyperparameters — skipped, state included, when the norm is not finite — and the gradients zeroed (set
+        to None when eager, in place with `cuda_graph`), all queued on the device. Returns a function that
+        waits for the norm's copy to the host alone (queued before the update, so the host can go on while the
+        update runs) and gives it."""
         lists = self._state_lists()
         grads = [[p.grad for p in params] for params, *_ in lists]
         complete = all(g is not None for gs in grads for g in gs)
         if self.cuda_graph and complete and self.param_groups[0]["params"][0].device.type == "cuda":
-            norm = self._graphed_step(lists, grads, max_norm)
-            if norm is not None:
-                return norm
+            read_norm = self._graphed_step(lists, grads, max_norm)
+            if read_norm is not None:
+                return read_norm
         kept = [[i for i, g in enumerate(gs) if g is not None] for gs in grads]
         lists = [tuple([lst[i] for i in idx] for lst in group) for group, idx in zip(lists, kept, strict=True)]
         grads = [[gs[i] for i in idx] for gs, idx in zip(grads, kept, strict=True)]
-        lrs = [group["lr"] for group in self.param_groups]
-        norm = self._update(lists, grads, lrs, max_norm)
+        flat_grads = [g for gs in grads for g in gs]
+        norm, divisor, found_inf = _clip_terms(flat_grads, max_norm)
+        read_norm = host_copy_when_ready(norm)
+        self._apply(lists, grads, [group["lr"] for group in self.param_groups], divisor, found_inf)
         if self.cuda_graph:  # keep the buffers: the next capture reads them
-            torch._foreach_zero_([g for gs in grads for g in gs])
+            torch._foreach_zero_(flat_grads)
         else:
             for params, *_ in lists:
                 for p in params:
                     p.grad = None
-        return norm
+        return read_norm
 
-    def _update(self, lists, grads, lrs, max_norm) -> torch.Tensor:
-        """norm -> clip divisor -> fused AdamW per group (skipped on a non-finite norm). Eager or captured."""
-        norm = grad_norm([g for gs in grads for g in gs])
-        divisor = clip_divisor(norm, max_norm)
-        found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    def _apply(self, lists, grads, lrs, divisor: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Fused AdamW per group, the gradients divided by `divisor`, skipped where `found_inf` is 1."""
         for group, (params, exp_avgs, exp_avg_sqs, steps), gs, lr in zip(
             self.param_groups, lists, grads, lrs, strict=True
         ):
@@ -133,9 +135,10 @@ class FusedAdamW(torch.optim.AdamW):
             adamw(params, gs, exp_avgs, exp_avg_sqs, [], steps, fused=True, grad_scale=divisor, found_inf=found_inf,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)  # fmt: skip
-        return norm
 
-    def _graphed_step(self, lists, grads, max_norm: float) -> torch.Tensor | None:
+    def _graphed_step(self, lists, grads, max_norm: float) -> Callable[[], torch.Tensor] | None:
+        """Two graphs, so the norm's copy to the host sits between them: (norm, clip terms), then (AdamW,
+        zeroing). None: capture failed, take the eager step."""
         flat_grads = [g for gs in grads for g in gs]
         hyper = [(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.param_groups]
         if self._graph is not None and (
@@ -143,34 +146,61 @@ class FusedAdamW(torch.optim.AdamW):
         ):
             self._graph, self._graph_warm = None, False
         if self._graph is None:
-            device = flat_grads[0].device
             if not self._graph_warm:  # the kernels run once eagerly (lazy loading, allocator) before capture
+                device = flat_grads[0].device
                 self._lr_t = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.param_groups]
                 self._max_norm_t = torch.zeros((), dtype=torch.float32, device=device)
-            self._fill(max_norm)
-            body = lambda: self._update(lists, grads, self._lr_t, self._max_norm_t)  # noqa: E731
-            if not self._graph_warm:
-                norm = body()
+                self._fill(max_norm)
+                norm, divisor, found_inf = _clip_terms(flat_grads, self._max_norm_t)
+                read_norm = host_copy_when_ready(norm)
+                self._apply(lists, grads, self._lr_t, divisor, found_inf)
                 torch._foreach_zero_(flat_grads)
                 self._graph_warm, self._graph_grads, self._graph_hyper = True, flat_grads, hyper
-                return norm
+                return read_norm
             try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._graph_norm = body()
+                clip_graph, update_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(clip_graph, capture_error_mode="thread_local"):
+                    terms = _clip_terms(flat_grads, self._max_norm_t)
+                with torch.cuda.graph(update_graph, capture_error_mode="thread_local"):
+                    self._apply(lists, grads, self._lr_t, terms[1], terms[2])
                     torch._foreach_zero_(flat_grads)
             except Exception as e:  # noqa: BLE001 - stay correct (eager) rather than fail the run
                 warnings.warn(f"FusedAdamW: CUDA graph capture failed ({e!r}); the optimiser step stays eager",
                               stacklevel=2)  # fmt: skip
                 self.cuda_graph = False
                 return None
-            self._graph, self._graph_grads, self._graph_hyper = graph, flat_grads, hyper
-        else:
-            self._fill(max_norm)
-        self._graph.replay()
-        return self._graph_norm
+            self._graph, self._graph_terms = (clip_graph, update_graph), terms
+            self._graph_grads, self._graph_hyper = flat_grads, hyper
+        self._fill(max_norm)
+        self._graph[0].replay()
+        read_norm = host_copy_when_ready(self._graph_terms[0])
+        self._graph[1].replay()
+        return read_norm
 
     def _fill(self, max_norm: float) -> None:
         for t, group in zip(self._lr_t, self.param_groups, strict=True):
             t.fill_(group["lr"])
         self._max_norm_t.fill_(max_norm)
+
+
+def _clip_terms(grads: list[torch.Tensor], max_norm: float | torch.Tensor):
+    """(norm, clip divisor, found_inf) as device scalars."""
+    norm = grad_norm(grads)
+    return norm, clip_divisor(norm, max_norm), (~torch.isfinite(norm)).to(torch.float32)
+
+
+def host_copy_when_ready(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying a device tensor to the host; the returned function waits for that copy alone (not for
+    work queued after it) and gives the host tensor."""
+    if t.device.type != "cuda":
+        return lambda: t.detach().cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return read

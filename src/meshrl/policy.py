@@ -28,7 +28,7 @@ from meshrl.models import qwen3
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
 from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
-from meshrl.optim import FusedAdamW
+from meshrl.optim import FusedAdamW, host_copy_when_ready
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:
@@ -60,23 +60,6 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
         advantages=torch.from_numpy(adv).to(device),
         ref_logprobs=None if ref is None else torch.from_numpy(ref).to(device),
     )
-
-
-def _host_copy_when_ready(t: torch.Tensor):
-    """Start copying a device tensor to the host; the returned function waits for that copy alone (not for
-    work queued after it) and gives the host tensor."""
-    if t.device.type != "cuda":
-        return lambda: t.detach().cpu()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t.detach(), non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def read() -> torch.Tensor:
-        copied.synchronize()
-        return host
-
-    return read
 
 
 def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor | None:
@@ -209,7 +192,7 @@ class Policy:
         # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
         # all-reduce below, the same on every rank, so all raise together. No host sync before backward.
         nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
-        logprobs_on_host = _host_copy_when_ready(logprobs)  # queued before backward: ready when forward is
+        logprobs_on_host = host_copy_when_ready(logprobs)  # queued before backward: ready when forward is
         with record_function("meshrl.backward"):
             scaled.backward()
         with record_function("meshrl.results"):
@@ -261,8 +244,8 @@ class Policy:
             # waits for that read alone: optim_step returns while the update runs (later work on the stream,
             # weight publishing included, is ordered after it). Taken or skipped, these gradients are spent.
             with record_function("meshrl.optimizer"):
-                norm_on_host = _host_copy_when_ready(self.optimizer.clip_and_step(max_norm))
-            norm_value = float(norm_on_host())
+                read_norm = self.optimizer.clip_and_step(max_norm)
+            norm_value = float(read_norm())
         else:  # FSDP's DTensors, CPU: the norm is read before the step
             with record_function("meshrl.clip_grad_norm"):
                 params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
