@@ -67,8 +67,10 @@ class PolicyTrainer(Actor):
         }
 
     @endpoint
-    async def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
-        return self._policy().forward_backward(data, loss)
+    async def forward_backward(
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+    ) -> ForwardBackwardResult:
+        return self._policy().forward_backward(data, loss, step)
 
     @endpoint
     async def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:

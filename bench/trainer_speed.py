@@ -11,8 +11,9 @@ on the meta device, materialised on the GPU in pure bf16, flex attention (torcht
 block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors; 'plain-titan-sdpa': the
 same with torchtitan's SDPA) and ours is `Policy(backend="torchtitan")` with the config's levers: flex attention
 unless the config says `attn_backend: sdpa` (cuDNN first), `logprob_keep_logits` (`+keep`), etc. `actor:` configs
-drive the PolicyTrainer actor from this process through the Controller, `optim_step` queued behind
-`forward_backward` as the GRPO loop does (`actor-wait:` reads each result before the next call).
+drive the PolicyTrainer actor from this process through the Controller, the optimiser step carried by the
+`forward_backward` call as the GRPO loop sends it (`actor-wait:` calls `optim_step` after reading the result of
+`forward_backward`). `Policy` configs take the step the same way.
 MFU = (6 N + 12 L H Q T) FLOPs per token (N all parameters, the tied head counted once; L layers, H heads,
 Q head dim, T sequence length: the attention term as torchtitan counts it) x tokens/s, over the H100's
 989 TFLOP/s dense bf16 (and over the 779 TFLOP/s matmul measured on this machine, GPU.md).
@@ -182,9 +183,8 @@ def policy_loop(
     for i in range(warmup + steps):
         sync(dev)
         t0 = time.perf_counter()
-        fb = policy.forward_backward(data, spec)
-        t1 = time.perf_counter()  # forward_backward returns host values: the GPU is done with it
-        policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
+        fb = policy.forward_backward(data, spec, step=OptimParams(lr=1e-5, grad_clip=grad_clip))  # as GRPO sends it
+        t1 = time.perf_counter()  # forward_backward returns host values: the GPU is done with the backward
         sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -194,11 +194,9 @@ def policy_loop(
     extra = {"first_step_loss": first_loss, "forward_backward_s": median(fb_times)}
     if profile:
 
-        def step() -> None:  # the outer ranges charge idle time outside Policy's own phases to the endpoint
+        def step() -> None:  # the outer range charges idle time outside Policy's own phases to the endpoint
             with record_function("meshrl.endpoint.forward_backward"):
-                policy.forward_backward(data, spec)
-            with record_function("meshrl.endpoint.optim_step"):
-                policy.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip))
+                policy.forward_backward(data, spec, step=OptimParams(lr=1e-5, grad_clip=grad_clip))
 
         extra["profile"] = _profile(step, dev)
     return times, extra  # the policy is freed with this frame (main collects)
@@ -270,12 +268,14 @@ def actor_loop(
     wait_for_results: bool = False,
 ) -> tuple[list[float], dict]:
     """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
-    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included. As the GRPO loop does it,
-    `optim_step` is queued behind `forward_backward` (`num_micro_batches`) before its result is read;
-    `wait_for_results` (config prefix `actor-wait:`) reads it first, one round trip later."""
+    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included. As the GRPO loop does it
+    (`controller.steps.train_step`), the `forward_backward` call carries the optimiser step; with
+    `wait_for_results` (config prefix `actor-wait:`) it is a separate `optim_step` call after the result of
+    `forward_backward` was read."""
     ensure_meshrl_layout()
     from meshrl.config import ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
+    from meshrl.controller.steps import train_step
     from meshrl.types import Datum, LossSpec, OptimParams
 
     on_gpu = tokens.device.type == "cuda"
@@ -295,11 +295,12 @@ def actor_loop(
     ) as ctl:  # fmt: skip
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            fb = ctl.forward_backward(data, spec)
+            params = OptimParams(lr=1e-5, grad_clip=grad_clip)
             if wait_for_results:
-                fb.result()
-            opt = ctl.optim_step(OptimParams(lr=1e-5, grad_clip=grad_clip, num_micro_batches=1))
-            fb, _ = fb.result(), opt.result()
+                fb = ctl.forward_backward(data, spec).result()
+                ctl.optim_step(params).result()
+            else:
+                (fb,), _ = train_step(ctl, data, spec, len(data), params)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             first_loss = fb.loss if first_loss is None else first_loss

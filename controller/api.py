@@ -165,8 +165,18 @@ class Controller:
         print(f"[meshrl] {describe_transport(self.weight_transport, trainer, generators)}", flush=True)
 
     # ---- trainer ------------------------------------------------------------------------------------------
-    def forward_backward(self, data: list[Datum], loss: LossSpec) -> Pending[ForwardBackwardResult]:
-        return Pending([self.trainer.forward_backward.call(data, loss)], _rank0, self.timeout_s, "forward_backward")
+    def forward_backward(
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+    ) -> Pending[ForwardBackwardResult]:
+        """`step`: this call ends an optimiser step and takes it (result in `.optim`; see Policy.forward_backward)."""
+
+        def done(values: list[Any]) -> ForwardBackwardResult:
+            result: ForwardBackwardResult = _rank0(values)
+            if result.optim is not None:
+                self.policy_version = result.optim.policy_version
+            return result
+
+        return Pending([self.trainer.forward_backward.call(data, loss, step)], done, self.timeout_s, "forward_backward")
 
     def forward(self, data: list[Datum], temperature: float = 1.0) -> Pending[list[list[float]]]:
         return Pending([self.trainer.forward.call(data, temperature)], _rank0, self.timeout_s, "forward")

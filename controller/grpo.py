@@ -4,7 +4,8 @@
 
 sample prompts → generate G completions each → score (+ DAPO overlong shaping; dynamic sampling refills groups
 whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
-(gradients accumulate; the loss is normalised over the whole step) → optim_step(lr from the schedule) →
+(gradients accumulate; the loss is normalised over the whole step; the last call takes the optimiser step, lr
+from the schedule) →
 push/pull weights → log. The algorithm (GRPO, DAPO, Dr.GRPO, GSPO, CISPO, ...) is chosen by the `grpo.*` flags.
 A resumable checkpoint is written every `run.save_every` RL steps and at the end; `--run.resume latest` continues
 the run exactly where it was (same prompts, same samples, same updates).
@@ -30,9 +31,9 @@ from meshrl.controller.steps import (
     RunFailedError,
     attach_reference_logprobs,
     evaluate,
-    micro_batches,
     sample_groups,
     supervised_warmup,
+    train_step,
 )
 from meshrl.models.qwen3 import create_random_checkpoint
 from meshrl.run_dir import RunDir, plot_rewards
@@ -74,7 +75,6 @@ def rl_step(
 
     # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
     loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens)
-    pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, cfg.trainer.micro_batch_size)]
     lr = lr_at(
         step,
         peak_lr=cfg.optim.lr,
@@ -83,20 +83,15 @@ def rl_step(
         warmup_steps=cfg.optim.warmup_steps,
         min_lr_ratio=cfg.optim.min_lr_ratio,
     )
-    opt = ctl.optim_step(
-        OptimParams(
-            lr=lr,
-            betas=cfg.optim.betas,
-            eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay,
-            grad_clip=cfg.optim.grad_clip,
-            # Queued behind the micro-batches, not after reading their results: the trainer goes from the last
-            # backward straight to the step. The count makes it refuse a batch in which a micro-batch failed.
-            num_micro_batches=len(pending),
-        )
+    params = OptimParams(
+        lr=lr,
+        betas=cfg.optim.betas,
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        grad_clip=cfg.optim.grad_clip,
     )
-    results = [p.result() for p in pending]  # a failed micro-batch raises its own error here
-    opt = opt.result()
+    # forward_backward over micro-batches (gradients accumulate), the last one taking the optimiser step.
+    results, opt = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
     t3 = time.perf_counter()
 
     sync = ctl.sync_weights()

@@ -3,7 +3,8 @@
     python -m meshrl.controller.sft [--sft.max-steps 200 --data.train rows.jsonl --model.path ckpt ...]
 
 batch of (prompt, response) rows → forward_backward over micro-batches with cross-entropy on the response
-tokens (normalised by the step's total response tokens) → optim_step(lr from the schedule) → log; evaluate
+tokens (normalised by the step's total response tokens; the last call takes the optimiser step, lr from the
+schedule) → log; evaluate
 every `eval_every` steps; write a resumable checkpoint every `run.save_every` steps; export HF weights at the end.
 """
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from meshrl.config import SFTRunConfig
 from meshrl.controller.api import Controller
-from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, micro_batches, pad_rows
+from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
 from meshrl.models.qwen3 import create_random_checkpoint, read_hf_config
 from meshrl.run_dir import RunDir
@@ -121,7 +122,6 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             else:
                 data = to_data(train, indices)
             loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-            pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro)]
             lr = lr_at(
                 step,
                 peak_lr=cfg.optim.lr,
@@ -130,18 +130,15 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                 warmup_steps=cfg.optim.warmup_steps,
                 min_lr_ratio=cfg.optim.min_lr_ratio,
             )
-            opt = ctl.optim_step(
-                OptimParams(
-                    lr=lr,
-                    betas=cfg.optim.betas,
-                    eps=cfg.optim.eps,
-                    weight_decay=cfg.optim.weight_decay,
-                    grad_clip=cfg.optim.grad_clip,
-                    num_micro_batches=len(pending),  # queued behind the micro-batches (see grpo.rl_step)
-                )
+            params = OptimParams(
+                lr=lr,
+                betas=cfg.optim.betas,
+                eps=cfg.optim.eps,
+                weight_decay=cfg.optim.weight_decay,
+                grad_clip=cfg.optim.grad_clip,
             )
-            train_loss = sum(p.result().loss for p in pending)
-            opt = opt.result()
+            results, opt = train_step(ctl, data, loss, micro, params)
+            train_loss = sum(r.loss for r in results)
             run.log(
                 {
                     "phase": "sft",

@@ -27,7 +27,7 @@ from meshrl.controller.api import ActorDiedError, Controller
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
 from meshrl.tasks import Example, Task
-from meshrl.types import Completion, Datum, LossSpec, OptimParams, SamplingParams
+from meshrl.types import Completion, Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult, SamplingParams
 
 T = TypeVar("T")
 
@@ -35,6 +35,21 @@ T = TypeVar("T")
 def micro_batches(items: Sequence[T], size: int) -> Iterator[list[T]]:
     for i in range(0, len(items), size):
         yield list(items[i : i + size])
+
+
+def train_step(
+    ctl: Controller, data: list[Datum], loss: LossSpec, micro_batch_size: int, params: OptimParams
+) -> tuple[list[ForwardBackwardResult], OptimResult]:
+    """One optimiser step: forward_backward over the micro-batches (the gradients accumulate), the last call
+    carrying the step, all sent before any result is read. The trainer goes from the last backward straight to
+    the update; `num_micro_batches` makes it refuse a batch in which a micro-batch failed (that call raises its
+    own error here)."""
+    batches = list(micro_batches(data, micro_batch_size))
+    params = dataclasses.replace(params, num_micro_batches=len(batches))
+    last = len(batches) - 1
+    pending = [ctl.forward_backward(mb, loss, step=params if i == last else None) for i, mb in enumerate(batches)]
+    results = [p.result() for p in pending]
+    return results, results[-1].optim
 
 
 def evaluate(ctl: Controller, task: Task, examples: list[Example], max_tokens: int) -> dict[str, float]:
@@ -59,15 +74,10 @@ def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int
     for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
         data = [Datum.from_completion(*task.demonstration_ids(e)) for e in rng.sample(task.train, cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-        pending = [ctl.forward_backward(mb, loss) for mb in micro_batches(data, micro_batch_size)]
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
-        opt_pending = ctl.optim_step(  # queued behind the micro-batches (see grpo.rl_step)
-            OptimParams(
-                lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip, num_micro_batches=len(pending)
-            )
-        )
-        nll = sum(p.result().loss for p in pending)
-        opt = opt_pending.result()
+        params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
+        results, opt = train_step(ctl, data, loss, micro_batch_size, params)
+        nll = sum(r.loss for r in results)
         log(
             {
                 "phase": "warmup",

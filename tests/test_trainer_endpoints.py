@@ -1,5 +1,6 @@
 """PolicyTrainer endpoints on a real 2-process FSDP2 mesh (Monarch + gloo), driven through the Controller."""
 
+import dataclasses
 import math
 
 import pytest
@@ -82,6 +83,14 @@ def test_gradients_accumulate_until_optim_step(ctl, base_model_dir):
     assert twice == pytest.approx(2 * once, rel=1e-5)
     with pytest.raises(ActorError, match="optim_step without gradients"):
         ctl.optim_step(LINEAR_ADAM).result()  # zeroed by the previous step
+    # The step carried by the last forward_backward (as the GRPO loop sends it): the same step.
+    ctl.load_checkpoint(base_model_dir)
+    version = ctl.policy_version
+    ctl.forward_backward(data, spec)
+    step = dataclasses.replace(LINEAR_ADAM, num_micro_batches=2)
+    carried = ctl.forward_backward(data, spec, step=step).result().optim
+    assert carried.grad_norm == pytest.approx(twice, rel=1e-5)
+    assert carried.policy_version == ctl.policy_version == version + 1
 
 
 def test_nan_loss_is_a_clear_error_and_the_trainer_survives(ctl, base_model_dir):

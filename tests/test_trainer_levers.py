@@ -303,5 +303,60 @@ def test_optim_step_refuses_a_batch_with_a_failed_micro_batch(one_rank_group, ba
     for _ in range(2):
         p.forward_backward(data, spec)
     assert p.optim_step(OptimParams(lr=1e-2, num_micro_batches=2)).policy_version == 1
+    # The same with the step carried by the last forward_backward: refused before any compute.
+    p.forward_backward(data, spec)
+    with pytest.raises(ValueError, match="outside"):
+        p.forward_backward(bad, spec)
+    with pytest.raises(RuntimeError, match="expected 3 successful forward_backward calls.*got 2"):
+        p.forward_backward(data, spec, step=OptimParams(lr=1e-2, num_micro_batches=3))
+    assert all(q.grad is None for q in p.model.parameters()) and p.policy_version == 1 and p.num_micro_batches == 0
     with pytest.raises(ValueError, match="num_micro_batches=0"):
         OptimParams(lr=1e-2, num_micro_batches=0)
+
+
+@pytest.mark.parametrize("fused_optimizer", [False, True])
+def test_the_step_carried_by_forward_backward_equals_optim_step(one_rank_group, base_model_dir, fused_optimizer):
+    """forward_backward(..., step=p) on the last micro-batch == forward_backward + optim_step(p): same weights
+    (bitwise), loss, grad norm and version; with torch's foreach AdamW (CPU, FSDP: the step follows the call)
+    and with meshrl.optim.FusedAdamW (one GPU: queued behind the backward, here on torch's CPU fused kernel).
+    A non-finite loss skips the carried step (weights and optimiser state untouched) and starts the next step
+    clean."""
+    from meshrl.optim import FusedAdamW
+    from meshrl.policy import Policy
+    from meshrl.types import OptimParams
+
+    data = random_data(4, seed=6)
+    spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+    params = OptimParams(lr=1e-2, grad_clip=0.5, weight_decay=0.1, num_micro_batches=2)
+    runs = []
+    for carried in (False, True):
+        p = Policy(base_model_dir, backend="torchtitan")
+        if fused_optimizer:
+            p.optimizer = FusedAdamW([q for q in p.model.parameters() if q.requires_grad], lr=0.0)
+        out = []
+        for _ in range(2):
+            first = p.forward_backward(data[:2], spec)
+            if carried:
+                last = p.forward_backward(data[2:], spec, step=params)
+                opt = last.optim
+            else:
+                last = p.forward_backward(data[2:], spec)
+                opt = p.optim_step(params)
+            out.append((first.loss + last.loss, opt.grad_norm, opt.policy_version))
+        runs.append((out, {k: v.clone() for k, v in p.model.state_dict().items()}, p))
+    assert runs[0][0] == runs[1][0]
+    for k, v in runs[0][1].items():
+        assert torch.equal(runs[1][1][k], v), k
+    p = runs[1][2]
+    before = {k: v.clone() for k, v in p.model.state_dict().items()}
+    steps_before = [float(s["step"]) for s in p.optimizer.state.values()]
+    nan = random_data(2, seed=7)
+    nan[0].advantage = math.nan
+    p.forward_backward(data[:2], spec)
+    with pytest.raises(FloatingPointError, match="loss is NaN"):
+        p.forward_backward(nan, spec, step=params)
+    assert all(torch.equal(v, before[k]) for k, v in p.model.state_dict().items())
+    assert [float(s["step"]) for s in p.optimizer.state.values()] == steps_before
+    assert p.policy_version == 2 and p.num_micro_batches == 0
+    p.forward_backward(data[:2], spec)
+    assert p.forward_backward(data[2:], spec, step=params).optim.policy_version == 3

@@ -96,24 +96,25 @@ class FusedAdamW(torch.optim.AdamW):
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def clip_and_step(self, max_norm: float) -> Callable[[], torch.Tensor]:
+    def clip_and_step(self, max_norm: float, skip: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
         """Global grad norm (float32, before clipping), clip to `max_norm` (inf: none), AdamW with each group's
-        hyperparameters — skipped, state included, when the norm is not finite — and the gradients zeroed (set
-        to None when eager, in place with `cuda_graph`), all queued on the device. Returns a function that
-        waits for the norm's copy to the host alone (queued before the update, so the host can go on while the
-        update runs) and gives it."""
+        hyperparameters — skipped, state included, when the norm is not finite or the device scalar `skip` is
+        > 0 (e.g. a non-finite loss, known only on the device yet) — and the gradients zeroed (set to None when
+        eager, in place with `cuda_graph`), all queued on the device. Returns a function that waits for the
+        norm's copy to the host alone (queued before the update, so the host can go on while the update runs)
+        and gives it."""
         lists = self._state_lists()
         grads = [[p.grad for p in params] for params, *_ in lists]
         complete = all(g is not None for gs in grads for g in gs)
         if self.cuda_graph and complete and self.param_groups[0]["params"][0].device.type == "cuda":
-            read_norm = self._graphed_step(lists, grads, max_norm)
+            read_norm = self._graphed_step(lists, grads, max_norm, skip)
             if read_norm is not None:
                 return read_norm
         kept = [[i for i, g in enumerate(gs) if g is not None] for gs in grads]
         lists = [tuple([lst[i] for i in idx] for lst in group) for group, idx in zip(lists, kept, strict=True)]
         grads = [[gs[i] for i in idx] for gs, idx in zip(grads, kept, strict=True)]
         flat_grads = [g for gs in grads for g in gs]
-        norm, divisor, found_inf = _clip_terms(flat_grads, max_norm)
+        norm, divisor, found_inf = _clip_terms(flat_grads, max_norm, skip)
         read_norm = host_copy_when_ready(norm)
         self._apply(lists, grads, [group["lr"] for group in self.param_groups], divisor, found_inf)
         if self.cuda_graph:  # keep the buffers: the next capture reads them
@@ -136,7 +137,7 @@ class FusedAdamW(torch.optim.AdamW):
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)  # fmt: skip
 
-    def _graphed_step(self, lists, grads, max_norm: float) -> Callable[[], torch.Tensor] | None:
+    def _graphed_step(self, lists, grads, max_norm: float, skip) -> Callable[[], torch.Tensor] | None:
         """Two graphs, so the norm's copy to the host sits between them: (norm, clip terms), then (AdamW,
         zeroing). None: capture failed, take the eager step."""
         flat_grads = [g for gs in grads for g in gs]
@@ -150,8 +151,9 @@ class FusedAdamW(torch.optim.AdamW):
                 device = flat_grads[0].device
                 self._lr_t = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.param_groups]
                 self._max_norm_t = torch.zeros((), dtype=torch.float32, device=device)
-                self._fill(max_norm)
-                norm, divisor, found_inf = _clip_terms(flat_grads, self._max_norm_t)
+                self._skip_t = torch.zeros((), dtype=torch.float32, device=device)
+                self._fill(max_norm, skip)
+                norm, divisor, found_inf = _clip_terms(flat_grads, self._max_norm_t, self._skip_t)
                 read_norm = host_copy_when_ready(norm)
                 self._apply(lists, grads, self._lr_t, divisor, found_inf)
                 torch._foreach_zero_(flat_grads)
@@ -160,7 +162,7 @@ class FusedAdamW(torch.optim.AdamW):
             try:
                 clip_graph, update_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 with torch.cuda.graph(clip_graph, capture_error_mode="thread_local"):
-                    terms = _clip_terms(flat_grads, self._max_norm_t)
+                    terms = _clip_terms(flat_grads, self._max_norm_t, self._skip_t)
                 with torch.cuda.graph(update_graph, capture_error_mode="thread_local"):
                     self._apply(lists, grads, self._lr_t, terms[1], terms[2])
                     torch._foreach_zero_(flat_grads)
@@ -171,22 +173,29 @@ class FusedAdamW(torch.optim.AdamW):
                 return None
             self._graph, self._graph_terms = (clip_graph, update_graph), terms
             self._graph_grads, self._graph_hyper = flat_grads, hyper
-        self._fill(max_norm)
+        self._fill(max_norm, skip)
         self._graph[0].replay()
         read_norm = host_copy_when_ready(self._graph_terms[0])
         self._graph[1].replay()
         return read_norm
 
-    def _fill(self, max_norm: float) -> None:
+    def _fill(self, max_norm: float, skip: torch.Tensor | None) -> None:
         for t, group in zip(self._lr_t, self.param_groups, strict=True):
             t.fill_(group["lr"])
         self._max_norm_t.fill_(max_norm)
+        if skip is None:
+            self._skip_t.zero_()
+        else:
+            self._skip_t.copy_(skip)
 
 
-def _clip_terms(grads: list[torch.Tensor], max_norm: float | torch.Tensor):
-    """(norm, clip divisor, found_inf) as device scalars."""
+def _clip_terms(grads: list[torch.Tensor], max_norm: float | torch.Tensor, skip: torch.Tensor | None = None):
+    """(norm, clip divisor, found_inf) as device scalars; found_inf is 1 for a non-finite norm or skip > 0."""
     norm = grad_norm(grads)
-    return norm, clip_divisor(norm, max_norm), (~torch.isfinite(norm)).to(torch.float32)
+    found_inf = ~torch.isfinite(norm)
+    if skip is not None:
+        found_inf = found_inf | (skip > 0)
+    return norm, clip_divisor(norm, max_norm), found_inf.to(torch.float32)
 
 
 def host_copy_when_ready(t: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -62,6 +62,10 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
     )
 
 
+def _max_norm(p: OptimParams) -> float:
+    return p.grad_clip if p.grad_clip > 0 else math.inf
+
+
 def collate_positions(data: list[Datum], device: torch.device) -> torch.Tensor | None:
     """`[B, L]` positions for packed rows (None when no datum is packed). Padding continues the last document,
     whose loss mask is 0 there."""
@@ -173,12 +177,27 @@ class Policy:
             raise ValueError(f"packed rows (Datum.positions) are not supported by the {self.backend.name!r} backend")
         return self.backend.target_logprobs(tokens, temperature, positions)
 
-    def forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
-        result = self._forward_backward(data, loss)
+    def forward_backward(
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+    ) -> ForwardBackwardResult:
+        """Accumulate this batch's gradients. `step` (the last micro-batch of an optimiser step): then take the
+        step, as `optim_step(step)` right after this call would, its result in `.optim`; with the single-GPU
+        optimiser the update is queued right behind the backward, before the host reads anything back, so the
+        GPU goes from the backward straight to the update and the call returns while the update runs."""
+        if step is not None:
+            self._check_step(step, done=self.num_micro_batches + 1)
+        try:
+            result, read_norm = self._forward_backward(data, loss, step)
+        except BaseException:
+            if step is not None:  # the step failed with its last micro-batch: start the next one clean
+                self.zero_grad()
+            raise
         self.num_micro_batches += 1
+        if step is not None:
+            result.optim = self._finish_step(step, float(read_norm())) if read_norm else self.optim_step(step)
         return result
 
-    def _forward_backward(self, data: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
+    def _forward_backward(self, data: list[Datum], loss: LossSpec, step: OptimParams | None):
         # The named ranges show in torch profiler traces (host time the GPU waits for, e.g. collate).
         with record_function("meshrl.collate"):
             check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
@@ -198,11 +217,18 @@ class Policy:
         with record_function("meshrl.results"):
             stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
             dist.all_reduce(stats)
-            # The per-datum lists are built while the GPU runs the backward, not after it.
+            stats_on_host = host_copy_when_ready(stats)
+            read_norm = None
+            if step is not None and isinstance(self.optimizer, FusedAdamW):
+                read_norm = self._queue_fused_step(step, skip=stats[2])  # a non-finite loss skips it on the device
+            metric_names = list(metrics)
+            # Everything below runs while the GPU is still busy with the backward (and the update): freeing the
+            # autograd graph, building the per-datum lists.
+            del logprobs, scaled, metrics, batch, tokens, positions, nonfinite
             rows = self._rows(logprobs_on_host(), local)
-            return self._forward_backward_result(stats.tolist(), metrics, rows)  # one read of the statistics
+            return self._forward_backward_result(stats_on_host().tolist(), metric_names, rows), read_norm
 
-    def _forward_backward_result(self, stats: list[float], metrics: dict, rows: list[list[float]]):
+    def _forward_backward_result(self, stats: list[float], metric_names: list[str], rows: list[list[float]]):
         if stats[2] > 0:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -213,7 +239,7 @@ class Policy:
         return ForwardBackwardResult(
             logprobs=self._gather_rows(rows),
             loss=float(stats[0]),
-            metrics={k: float(v) for k, v in zip(metrics, stats[3:], strict=True)},
+            metrics={k: float(v) for k, v in zip(metric_names, stats[3:], strict=True)},
             num_tokens=int(stats[1]),
         )
 
@@ -225,41 +251,52 @@ class Policy:
         return self._gather_rows(self._rows(logprobs.cpu(), local))
 
     def optim_step(self, p: OptimParams) -> OptimResult:
-        done, self.num_micro_batches = self.num_micro_batches, 0
+        self._check_step(p, done=self.num_micro_batches)
+        if isinstance(self.optimizer, FusedAdamW):
+            return self._finish_step(p, float(self._queue_fused_step(p)()))
+        # FSDP's DTensors, CPU: the norm is read before the step.
+        for group in self.optimizer.param_groups:
+            group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        with record_function("meshrl.clip_grad_norm"):
+            params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
+            norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, _max_norm(p))))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._finish_step(p, norm)
+
+    def _check_step(self, p: OptimParams, done: int) -> None:
+        """Refuse (and discard the gradients of) a step whose batch is incomplete."""
         if p.num_micro_batches is not None and done != p.num_micro_batches:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             raise RuntimeError(
                 f"optim_step expected {p.num_micro_batches} successful forward_backward calls since the last step, "
                 f"got {done}: the step was not taken and the gradients were discarded (a failed call raised its "
                 "own error; see it for the cause)"
             )
-        for group in self.optimizer.param_groups:
-            group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
         if not done:
             raise RuntimeError("optim_step without gradients: call forward_backward first")
-        max_norm = p.grad_clip if p.grad_clip > 0 else math.inf
-        if isinstance(self.optimizer, FusedAdamW):
-            # The norm, the clip, the skip of a non-finite step and the zeroing all stay on the device (one CUDA
-            # graph with optimizer_cuda_graph), so the step is queued before the host reads the norm and the host
-            # waits for that read alone: optim_step returns while the update runs (later work on the stream,
-            # weight publishing included, is ordered after it). Taken or skipped, these gradients are spent.
-            with record_function("meshrl.optimizer"):
-                read_norm = self.optimizer.clip_and_step(max_norm)
-            norm_value = float(read_norm())
-        else:  # FSDP's DTensors, CPU: the norm is read before the step
-            with record_function("meshrl.clip_grad_norm"):
-                params = [q for group in self.optimizer.param_groups for q in group["params"] if q.grad is not None]
-                norm_value = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            if math.isfinite(norm_value):
-                self.optimizer.step()
+
+    def _queue_fused_step(self, p: OptimParams, skip: torch.Tensor | None = None):
+        """The single-GPU optimiser: the norm, the clip, the skip of a non-finite step and the zeroing all stay on
+        the device (CUDA graphs with optimizer_cuda_graph); returns the reader of the norm, whose copy is queued
+        before the update, so the host waits for that alone (later work on the stream, weight publishing
+        included, is ordered after the update). Taken or skipped, these gradients are spent."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay)
+        with record_function("meshrl.optimizer"):
+            return self.optimizer.clip_and_step(_max_norm(p), skip)
+
+    def _finish_step(self, p: OptimParams, grad_norm: float) -> OptimResult:
+        self.num_micro_batches = 0
+        if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-        if not math.isfinite(norm_value):
             raise FloatingPointError(
-                f"grad norm is {norm_value} at policy_version={self.policy_version}: the step was skipped and the "
+                f"grad norm is {grad_norm} at policy_version={self.policy_version}: the step was skipped and the "
                 "gradients discarded; lower optim.lr or check the inputs"
             )
         self.policy_version += 1
-        return OptimResult(grad_norm=norm_value, lr=p.lr, policy_version=self.policy_version)
+        return OptimResult(grad_norm=grad_norm, lr=p.lr, policy_version=self.policy_version)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -139,6 +139,7 @@ class ForwardBackwardResult:
     loss: float  # this call's contribution to the step loss (already divided by the global normaliser)
     metrics: dict[str, float]  # sums over this call's loss tokens (divide by the step's loss tokens for means)
     num_tokens: int  # loss tokens in this call
+    optim: OptimResult | None = None  # the step's result, when this call carried one (forward_backward's step)
 
 
 @dataclass
