@@ -68,10 +68,10 @@ TITAN_CONFIGS = {
         "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
         "logprob_keep_logits": True,
     },
-    # ... with the optimiser step eager (no CUDA graph: the default, optimizer_cuda_graph, is on).
-    "titan+chunked+compile+bf16+sdpa+keep+eageropt": {
+    # ... with the optimiser step replayed as CUDA graphs (trainer.optimizer_cuda_graph; off by default).
+    "titan+chunked+compile+bf16+sdpa+keep+graphopt": {
         "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
-        "logprob_keep_logits": True, "optimizer_cuda_graph": False,
+        "logprob_keep_logits": True, "optimizer_cuda_graph": True,
     },
 }  # fmt: skip
 CONFIGS = {

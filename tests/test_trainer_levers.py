@@ -71,7 +71,7 @@ def test_trainer_config_levers():
         "compile": False,
         "activation_checkpointing": True,
         "master_dtype": "float32",
-        "optimizer_cuda_graph": True,
+        "optimizer_cuda_graph": False,
     }
     with pytest.raises(ConfigError, match="logprob_chunk_size"):
         TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)
@@ -285,7 +285,7 @@ def test_fused_optimizer_skips_a_nonfinite_step_on_the_device(one_rank_group, ba
 def test_optim_step_refuses_a_batch_with_a_failed_micro_batch(one_rank_group, base_model_dir):
     """OptimParams.num_micro_batches: a controller that queues optim_step behind its forward_backward calls
     never steps on a partial batch when one of them failed."""
-    from meshrl.policy import Policy
+    from meshrl.policy import Policy, collate
     from meshrl.types import LossSpec, OptimParams
 
     p = Policy(base_model_dir, backend="torchtitan")
@@ -296,6 +296,8 @@ def test_optim_step_refuses_a_batch_with_a_failed_micro_batch(one_rank_group, ba
     bad = [type(d)(tokens=[10**6] * len(d.tokens), loss_mask=d.loss_mask) for d in data]
     with pytest.raises(ValueError, match="outside"):
         p.forward_backward(bad, spec)
+    with pytest.raises(ValueError, match=r"datum 1 has token ids outside \[0, 64\)"):
+        collate(data[:1] + bad[:1], 0, torch.device("cpu"), vocab_size=64)
     with pytest.raises(RuntimeError, match="expected 2 successful forward_backward calls.*got 1"):
         p.optim_step(OptimParams(lr=1e-2, num_micro_batches=2))
     assert all(q.grad is None for q in p.model.parameters()) and p.policy_version == 0

@@ -102,11 +102,14 @@ class TrainerConfig:
     compute in model.dtype. 'bfloat16': pure bf16 training, as torchtitan's and most bare loops run it — half the
     optimiser memory and traffic, no cast per step, but updates smaller than a bf16 step of the weight round
     away (needs model.dtype='bfloat16')."""
-    optimizer_cuda_graph: bool = True
+    optimizer_cuda_graph: bool = False
     """Speed lever, one GPU without FSDP sharding (e.g. master_dtype='bfloat16', num_procs=1): the optimiser step
-    (grad norm, clip, AdamW, zeroing) is replayed as one CUDA graph instead of launches built on the host
-    (~5 ms of idle GPU per step at 0.6B parameters). Gradients then stay allocated between steps. Falls back to
-    the eager step, with a warning, if capture fails; no effect on CPU or with FSDP."""
+    (grad norm, clip, AdamW, zeroing) is replayed as CUDA graphs instead of launches built on the host (~5 ms of
+    host work per step at 0.6B parameters). It pays off when `optim_step` is a call of its own (the GPU idles
+    while the host builds the launches); when the step rides on the last `forward_backward` (the controller
+    loops' way) that host work hides behind the backward and the graph's cost wins: gradients stay allocated
+    and backward adds into them (~2 ms more GPU work per step at 0.6B). Falls back to the eager step, with a
+    warning, if capture fails; no effect on CPU or with FSDP."""
 
     def policy_options(self) -> dict:
         """The speed levers as keyword arguments of `meshrl.policy.Policy`."""

@@ -35,9 +35,12 @@ if TYPE_CHECKING:
     from meshrl.weight_sync.cuda_ipc import CudaIpcHandle
 
 
-def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch.Tensor, LossBatch]:
+def collate(
+    data: list[Datum], pad_id: int, device: torch.device, vocab_size: int | None = None
+) -> tuple[torch.Tensor, LossBatch]:
     """Right-pad a list of Datum into `[B, L]` tokens and `[B, L-1]` target-aligned tensors. Built in numpy:
-    converting Python lists there is ~6x faster than `torch.tensor` (the GPU waits for this every step)."""
+    converting Python lists there is ~6x faster than `torch.tensor` (the GPU waits for this every step).
+    `vocab_size`: refuse token ids outside [0, vocab_size) (checked on the array, not per Python int)."""
     max_len = max(len(d.tokens) for d in data)
     B, T = len(data), max_len - 1
     tokens = np.full((B, max_len), pad_id, dtype=np.int64)
@@ -53,6 +56,9 @@ def collate(data: list[Datum], pad_id: int, device: torch.device) -> tuple[torch
             old[i, : n - 1] = d.old_logprobs
         if ref is not None:
             ref[i, : n - 1] = d.ref_logprobs
+    if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        i = int(np.flatnonzero(((tokens < 0) | (tokens >= vocab_size)).any(axis=1))[0])
+        raise ValueError(f"datum {i} has token ids outside [0, {vocab_size})")
     adv = np.array([d.advantage for d in data], dtype=np.float32)
     return torch.from_numpy(tokens).to(device), LossBatch(
         mask=torch.from_numpy(mask).to(device),
@@ -100,7 +106,7 @@ class Policy:
         logprob_chunk_size: int = 0,
         logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
-        optimizer_cuda_graph: bool = True,
+        optimizer_cuda_graph: bool = False,
     ) -> None:
         """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`,
         `optimizer_cuda_graph`: the trainer speed levers
@@ -164,11 +170,17 @@ class Policy:
                 "(max_position_embeddings); shorten prompts or lower generator.max_tokens"
             )
         vocab = self.backend.vocab_size
-        for i, d in enumerate(data):
+        # Every rank checks the whole batch (the same verdict everywhere, before any collective); one rank
+        # leaves it to `_collate`, which checks the array.
+        for i, d in enumerate(data if self.world_size > 1 else []):
             if min(d.tokens) < 0 or max(d.tokens) >= vocab:
                 raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
         per_rank = len(data) // self.world_size
         return data[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+    def _collate(self, local: list[Datum]) -> tuple[torch.Tensor, LossBatch]:
+        vocab = self.backend.vocab_size if self.world_size == 1 else None  # else checked in _local_shard
+        return collate(local, self.pad_id, self.device, vocab_size=vocab)
 
     def _logprobs(self, tokens: torch.Tensor, temperature: float, positions: torch.Tensor | None) -> torch.Tensor:
         if positions is None:
@@ -202,7 +214,7 @@ class Policy:
         with record_function("meshrl.collate"):
             check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
             local = self._local_shard(data)
-            tokens, batch = collate(local, self.pad_id, self.device)
+            tokens, batch = self._collate(local)
             positions = collate_positions(local, self.device)
         with record_function("meshrl.forward"):
             logprobs = self._logprobs(tokens, loss.temperature, positions)
@@ -246,7 +258,7 @@ class Policy:
     @torch.no_grad()
     def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
         local = self._local_shard(data)
-        tokens, _ = collate(local, self.pad_id, self.device)
+        tokens, _ = self._collate(local)
         logprobs = self._logprobs(tokens, temperature, collate_positions(local, self.device))
         return self._gather_rows(self._rows(logprobs.cpu(), local))
 
