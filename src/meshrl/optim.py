@@ -145,7 +145,7 @@ class FusedAdamW(torch.optim.AdamW):
         if self._graph is not None and (
             hyper != self._graph_hyper or any(a is not b for a, b in zip(flat_grads, self._graph_grads, strict=True))
         ):
-            self._graph, self._graph_warm = None, False
+            self._graph = None  # captured again below (the kernels already ran once: no new warm-up step)
         if self._graph is None:
             if not self._graph_warm:  # the kernels run once eagerly (lazy loading, allocator) before capture
                 device = flat_grads[0].device
