@@ -25,7 +25,7 @@ piece)
   mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
   ;;
 titan)
-  configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+eageropt,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
+  configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
     mkdir -p /tmp/chunks && { [ ! -f .chunks/nccl.03 ] || cp .chunks/nccl.03 /tmp/chunks/; }
     cat /tmp/chunks/torch.* > /tmp/torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl

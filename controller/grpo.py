@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from meshrl.advantages import compute_advantages
@@ -45,12 +46,12 @@ from meshrl.types import Datum, OptimParams, SamplingParams
 def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> tuple[float, float]:
     """Mean and max |trainer − generator| logprob over loss tokens (before the step's update)."""
     diffs = [
-        abs(t - g)
+        np.abs(np.asarray(lp) - np.asarray(d.old_logprobs))[np.asarray(d.loss_mask) > 0]
         for d, lp in zip(data, trainer_logprobs, strict=True)
-        for t, g, m in zip(lp, d.old_logprobs or [], d.loss_mask, strict=True)
-        if m > 0
+        if d.old_logprobs is not None
     ]
-    return (sum(diffs) / len(diffs), max(diffs)) if diffs else (0.0, 0.0)
+    diff = np.concatenate(diffs) if diffs else np.zeros(0)
+    return (float(diff.mean()), float(diff.max())) if diff.size else (0.0, 0.0)
 
 
 def rl_step(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from meshrl.algorithms import informative_groups, overlong_penalty
 from meshrl.checkpoint import (
     TRAINER_DIR,
@@ -108,7 +110,7 @@ def forward_all(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: i
 def eval_nll(ctl: Controller, data: list[Datum], micro_batch_size: int, dp: int) -> float:
     """Mean negative log-likelihood per loss token (no gradient)."""
     rows = forward_all(ctl, data, micro_batch_size, dp)
-    total = sum(-lp * m for d, row in zip(data, rows, strict=True) for lp, m in zip(row, d.loss_mask, strict=True))
+    total = sum(float(-np.dot(row, d.loss_mask)) for d, row in zip(data, rows, strict=True))
     return total / sum(d.num_loss_tokens for d in data)
 
 
@@ -266,4 +268,4 @@ def attach_reference_logprobs(ctl: Controller, data: list[Datum], micro_batch_si
     pending = [ctl.reference_logprobs(mb, temperature) for mb in micro_batches(data, micro_batch_size)]
     rows = [row for p in pending for row in p.result()]
     for d, row in zip(data, rows, strict=True):
-        d.ref_logprobs = row
+        d.ref_logprobs = np.asarray(row, dtype=np.float64)

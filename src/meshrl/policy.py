@@ -173,7 +173,7 @@ class Policy:
         # Every rank checks the whole batch (the same verdict everywhere, before any collective); one rank
         # leaves it to `_collate`, which checks the array.
         for i, d in enumerate(data if self.world_size > 1 else []):
-            if min(d.tokens) < 0 or max(d.tokens) >= vocab:
+            if np.min(d.tokens) < 0 or np.max(d.tokens) >= vocab:
                 raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
         per_rank = len(data) // self.world_size
         return data[self.rank * per_rank : (self.rank + 1) * per_rank]

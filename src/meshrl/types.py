@@ -1,12 +1,18 @@
 """Plain data exchanged between the controller and the actors.
 
-Everything here is a dataclass of Python lists / tensors so it pickles cheaply across Monarch messages and
-can be inspected in a debugger without any actor machinery.
+Everything here is a dataclass of Python lists / numbers (a `Datum`'s per-token fields may also be 1-D numpy
+arrays), so it can be inspected in a debugger without any actor machinery. The per-token sequences cross a
+process boundary as packed numpy arrays (`Datum.__reduce__`, `ForwardBackwardResult.__reduce__`): a pickled list
+of 16k Python numbers costs milliseconds to write, read and collate, and the trainer's GPU waits for that trip
+between steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 
 @dataclass
@@ -45,19 +51,37 @@ class Completion:
     policy_version: int  # version of the weights that produced every token of this completion
 
 
-@dataclass
+def _packed(values: Sequence | None, dtype: type) -> np.ndarray | None:
+    """A per-token sequence as a 1-D array for the wire (arrays are sent as they are; lists converted once)."""
+    if values is None or isinstance(values, np.ndarray):
+        return values
+    return np.array(values, dtype=dtype)
+
+
+def _datum_from_wire(*values) -> Datum:
+    return Datum(*values)
+
+
+@dataclass(eq=False)
 class Datum:
     """One training sequence. Per-token fields are aligned with the *targets* `tokens[1:]`, i.e. they have
-    `len(tokens) - 1` entries: entry i is about predicting tokens[i + 1] from tokens[: i + 1]."""
+    `len(tokens) - 1` entries: entry i is about predicting tokens[i + 1] from tokens[: i + 1].
 
-    tokens: list[int]
-    loss_mask: list[float]  # weight of each target token in the loss (0 for prompt and padding)
-    old_logprobs: list[float] | None = None  # generator's logprobs of the targets (0 where the mask is 0)
+    Per-token fields are Python lists or 1-D numpy arrays. Pickled (sent to an actor), they travel as int64 /
+    float64 arrays, exact, and arrive as numpy arrays."""
+
+    tokens: Sequence[int]
+    loss_mask: Sequence[float]  # weight of each target token in the loss (0 for prompt and padding)
+    old_logprobs: Sequence[float] | None = None  # generator's logprobs of the targets (0 where the mask is 0)
     advantage: float = 0.0
-    ref_logprobs: list[float] | None = None  # reference model's logprobs of the targets (for a KL term)
-    positions: list[int] | None = None  # per token (len(tokens)); restarts at 0 per packed document
+    ref_logprobs: Sequence[float] | None = None  # reference model's logprobs of the targets (for a KL term)
+    positions: Sequence[int] | None = None  # per token (len(tokens)); restarts at 0 per packed document
 
     def __post_init__(self) -> None:
+        for f in ("tokens", "loss_mask", "old_logprobs", "ref_logprobs", "positions"):
+            v = getattr(self, f)
+            if isinstance(v, np.ndarray) and v.ndim != 1:
+                raise ValueError(f"Datum.{f} must be a list or a 1-D array, got an array of shape {v.shape}")
         n = len(self.tokens) - 1
         if n < 1:
             raise ValueError(f"a Datum needs at least 2 tokens, got {len(self.tokens)}")
@@ -70,6 +94,26 @@ class Datum:
         if self.positions is not None and (len(self.positions) != n + 1 or self.positions[0] != 0):
             raise ValueError(f"positions must have len(tokens) = {n + 1} entries and start at 0")
 
+    def __reduce__(self):
+        return _datum_from_wire, (
+            _packed(self.tokens, np.int64),
+            _packed(self.loss_mask, np.float64),
+            _packed(self.old_logprobs, np.float64),
+            self.advantage,
+            _packed(self.ref_logprobs, np.float64),
+            _packed(self.positions, np.int64),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """Same values field by field, whether lists or arrays hold them."""
+        if not isinstance(other, Datum):
+            return NotImplemented
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+                return False
+        return True
+
     @classmethod
     def from_completion(
         cls,
@@ -78,17 +122,27 @@ class Datum:
         logprobs: list[float] | None = None,
         advantage: float = 0.0,
     ) -> Datum:
-        """Prompt + response, with the loss on the response tokens only."""
-        if not response_ids:
+        """Prompt + response, with the loss on the response tokens only. The fields are numpy arrays, built once
+        here rather than every time the datum is sent (to the reference model, then to the trainer)."""
+        if len(response_ids) == 0:
             raise ValueError("empty response: nothing to train on")
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt: a Datum needs at least one prompt token to predict the response from")
+        if logprobs is not None and len(logprobs) != len(response_ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
         n_prompt = len(prompt_ids)
-        mask = [0.0] * (n_prompt - 1) + [1.0] * len(response_ids)
-        old = None if logprobs is None else [0.0] * (n_prompt - 1) + list(logprobs)
-        return cls(list(prompt_ids) + list(response_ids), mask, old, advantage)
+        tokens = np.concatenate([np.asarray(prompt_ids, dtype=np.int64), np.asarray(response_ids, dtype=np.int64)])
+        mask = np.zeros(len(tokens) - 1)
+        mask[n_prompt - 1 :] = 1.0
+        old = None
+        if logprobs is not None:
+            old = np.zeros(len(tokens) - 1)
+            old[n_prompt - 1 :] = logprobs
+        return cls(tokens, mask, old, advantage)
 
     @property
     def num_loss_tokens(self) -> int:
-        return sum(1 for m in self.loss_mask if m > 0)
+        return int(np.count_nonzero(np.asarray(self.loss_mask) > 0))
 
 
 @dataclass

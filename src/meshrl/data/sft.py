@@ -168,7 +168,7 @@ def pack_examples(examples: list[SFTExample], max_len: int) -> list:
             raise ValueError(f"an example of {n} tokens does not fit in packed rows of {max_len}")
         if len(tokens) + n > max_len:
             flush()
-        tokens.extend(ex.prompt_ids + ex.response_ids)
+        tokens.extend(ex.prompt_ids), tokens.extend(ex.response_ids)
         # Targets of this document, then the (masked) target that would predict the next document's first token.
         mask.extend([0.0] * (len(ex.prompt_ids) - 1) + [1.0] * len(ex.response_ids) + [0.0])
         positions.extend(range(n))
