@@ -64,6 +64,8 @@ class PolicyTrainer(Actor):
             "max_seq_len": p.max_seq_len,
             "pid": os.getpid(),
             "device_identity": device_identity(p.device),
+            # this rank's peak device memory since the trainer started (None on CPU)
+            "peak_memory_gib": (torch.cuda.max_memory_allocated(p.device) / 2**30 if p.device.type == "cuda" else None),
         }
 
     @endpoint

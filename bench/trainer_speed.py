@@ -304,7 +304,8 @@ def actor_loop(
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             first_loss = fb.loss if first_loss is None else first_loss
-    return times, {"first_step_loss": first_loss}
+        peak = ctl.trainer_peak_memory_gib()  # the trainer's process, not this one
+    return times, {"first_step_loss": first_loss, "peak_gib": peak}
 
 
 # Kernel name fragments -> what the time went to (first match wins; lower-cased names).
@@ -485,7 +486,7 @@ def main() -> None:
             "wall_incl_build_and_warmup_s": time.perf_counter() - t0,
             **extra,
         }
-        print(f"{name}: {n_tok / step:,.0f} tok/s, step {step:.3f}s, peak {peak_gib(dev)} GiB", flush=True)
+        print(f"{name}: {n_tok / step:,.0f} tok/s, step {step:.3f}s, peak {results[name]['peak_gib']} GiB", flush=True)
         if "profile" in extra:
             prof = extra["profile"]
             print(

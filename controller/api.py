@@ -189,6 +189,12 @@ class Controller:
 
         return Pending([self.trainer.optim_step.call(params)], done, self.timeout_s, "optim_step")
 
+    def trainer_peak_memory_gib(self) -> float | None:
+        """The largest peak device memory of any trainer rank since it started (None for trainers on CPU)."""
+        infos = Pending([self.trainer.info.call()], lambda v: list(v[0].values()), self.timeout_s, "info").result()
+        peaks = [i["peak_memory_gib"] for i in infos if i["peak_memory_gib"] is not None]
+        return max(peaks) if peaks else None
+
     def save_checkpoint(self, path: str) -> None:
         """The trainer's full state (model + optimiser, torch DCP) into `path` (see meshrl.checkpoint for the
         atomic run checkpoints that also hold the controller's state)."""

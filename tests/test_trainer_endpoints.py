@@ -44,6 +44,7 @@ def test_forward_backward_contract(ctl):
     assert not torch.allclose(torch.tensor(sum(after, [])), torch.tensor(sum(before, [])))
     info = ctl.trainer_info
     assert info["world_size"] == 2 and info["num_params"] > 0
+    assert info["peak_memory_gib"] is None and ctl.trainer_peak_memory_gib() is None  # CPU trainers
 
 
 def test_micro_batches_equal_one_big_batch(ctl, base_model_dir):
