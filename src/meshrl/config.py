@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
-class ConfigError(ValueError):
-    """A user-fixable problem with the run configuration."""
+from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
 
 
 WEIGHT_SYNC_TRANSPORTS = ("auto", "torchstore", "cuda_ipc", "shm")

@@ -1,29 +1,69 @@
-"""What a task is: examples with a prompt and a checkable answer, plus a tokenizer to speak it."""
+"""The task seam: what every RL task is to the controller.
+
+A task is rows in, scores out:
+
+    task.train, task.eval        -> Row(prompt, answer, info)       prompt: plain text or chat messages
+    renderer (meshrl.render)      -> prompt token ids                 the MODEL's tokenizer and chat template
+    generator                     -> completions (token ids)
+    RewardSet (meshrl.rewards)    -> reward per completion            fn(completion_text, row.verifier_view())
+
+A task never tokenizes: rendering happens once, in the controller, with the model directory's tokenizer, so the
+same task trains any checkpoint. Scoring runs in the reward processes through named reward functions (built-in,
+registered, or `package.module:function`), so everything a verifier needs travels in the row.
+
+Single-turn tasks are one-turn episodes: the multi-turn environments of a later issue are reset from the same
+`Row`, and the rollout seam grows from here (a task that returns an episode instead of one completion).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from meshrl.tokenizer import CharTokenizer
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
+Prompt = str | Sequence[Message]
 
 
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str  # the reference answer (also the demonstration for supervised warm-up)
+@dataclass(frozen=True, eq=True)
+class Row:
+    """One prompt of an RL task, and everything its verifier needs.
+
+    `prompt` is plain text (rendered through the chat template as one user turn when the model has one, or fed
+    as is) or a list of chat messages. `answer` is the reference answer (also the demonstration text of a
+    supervised warm-up). `info` holds the row's other fields — test cases, metadata — passed to the verifiers."""
+
+    prompt: Prompt
+    answer: str | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def verifier_view(self) -> dict[str, Any]:
+        """The dict a reward function `fn(completion, row)` receives: the row's own fields, plus `prompt` and
+        `answer`."""
+        return {**self.info, "prompt": self.prompt, "answer": self.answer}
+
+    @property
+    def is_chat(self) -> bool:
+        return not isinstance(self.prompt, str)
 
 
 @dataclass
 class Task:
+    """A named set of train / held-out rows and how they are judged.
+
+    `reward` is the default reward spec (`"name=weight,..."`, meshrl.rewards) used when the run names none;
+    `verifier` is the reward function that decides whether a completion is *correct* (value >= 1): held-out
+    accuracy, mean@k and pass@k count with it, and the reward name `task` means it."""
+
     name: str
-    tokenizer: CharTokenizer
-    train: list[Example]
-    eval: list[Example]
-    reward_weights: dict[str, float]
+    train: Sequence[Row]
+    eval: Sequence[Row]
+    reward: str
+    verifier: str
+    skipped: dict[str, int] = field(default_factory=dict)  # bad rows skipped at load (reason -> count)
 
-    def prompt_ids(self, examples: list[Example]) -> list[list[int]]:
-        return [self.tokenizer.encode(e.prompt) for e in examples]
-
-    def demonstration_ids(self, example: Example) -> tuple[list[int], list[int]]:
-        """(prompt ids, response ids ending in EOS) for supervised warm-up."""
-        return self.tokenizer.encode(example.prompt), self.tokenizer.encode(example.answer) + [self.tokenizer.eos_id]
+    def demonstration(self, row: Row) -> str:
+        """The response a supervised warm-up trains on for `row`."""
+        if row.answer is None:
+            raise ValueError(f"task {self.name!r}: a supervised warm-up needs rows with an answer")
+        return row.answer

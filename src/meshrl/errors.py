@@ -1,0 +1,6 @@
+"""Error types shared by the library's components (kept here so that components owning their config can raise
+them without importing `meshrl.config`)."""
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with the run configuration."""
