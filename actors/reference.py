@@ -34,6 +34,9 @@ class ReferenceModel(Actor):
         )
         for p in self.policy.model.parameters():
             p.requires_grad_(False)
+        # Eval mode, as the trainer's (HFBackend keeps its model there): the reference logprobs of a model with
+        # dropout must be the deterministic ones the KL term compares against, not a dropped-out sample.
+        self.policy.model.eval()
         return {"rank": self.policy.rank, "world_size": self.policy.world_size, "pid": os.getpid()}
 
     @endpoint

@@ -1,33 +1,25 @@
-"""RewardActor: scores completions with the task's weighted reward functions."""
+"""RewardActor: scores completion texts with a RewardSet (meshrl.rewards) built in the controller.
+
+The RewardSet arrives whole (cloudpickle): the functions a user registered or defined in the controller's own
+script reach this process with it, and names were resolved at launch, so a bad name never fails a step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from monarch.actor import Actor, endpoint
 
-from meshrl.rewards import check_reward_weights, combined_reward
-
-
-@dataclass
-class Scored:
-    reward: float
-    parts: dict[str, float]  # each reward function's raw value
-    text: str  # the decoded completion
+from meshrl.rewards import RewardSet, ScoredSample
 
 
 class RewardActor(Actor):
-    def __init__(self, tokenizer, reward_weights: dict[str, float]) -> None:
-        check_reward_weights(reward_weights)
-        self.tokenizer, self.reward_weights = tokenizer, dict(reward_weights)
+    def __init__(self, rewards: RewardSet) -> None:
+        self.rewards = rewards
 
     @endpoint
-    def score(self, completion_ids: list[list[int]], answers: list[str]) -> list[Scored]:
-        if len(completion_ids) != len(answers):
-            raise ValueError(f"{len(completion_ids)} completions but {len(answers)} reference answers")
-        out = []
-        for ids, answer in zip(completion_ids, answers, strict=True):
-            text = self.tokenizer.decode(ids)
-            reward, parts = combined_reward(text, answer, self.reward_weights)
-            out.append(Scored(reward, parts, text))
-        return out
+    def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
+        """Score `completions`, `group_size` consecutive ones per row (a GRPO group shares its row)."""
+        if group_size < 1 or len(completions) != len(rows) * group_size:
+            raise ValueError(
+                f"{len(completions)} completions for {len(rows)} rows of group_size={group_size}: expected "
+                f"{len(rows) * group_size}"
+            )
+        return self.rewards.score(completions, [row for row in rows for _ in range(group_size)])

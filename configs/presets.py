@@ -11,24 +11,18 @@ from meshrl.config import (
     RunConfig,
     SFTConfig,
     SFTRunConfig,
-    TaskConfig,
     TrainerConfig,
     WarmupConfig,
 )
+from meshrl.tasks.reverse import ReverseTaskConfig
 
 
-def reverse_task() -> TaskConfig:
+def reverse_task() -> ReverseTaskConfig:
     """Strings of 2-4 letters from 10: the held-out prompts (never in the training set) are mostly 4 letters
     long, like most of the training prompts, so held-out accuracy measures the rule and not memorisation.
-    Reward: half per-position credit (dense), half exact match (what the held-out accuracy counts)."""
-    return TaskConfig(
-        name="reverse",
-        min_len=2,
-        max_len=4,
-        alphabet="abcdefghij",
-        num_eval=200,
-        reward_weights={"char_match": 0.5, "exact_match": 0.5},
-    )
+    Reward (the task's default): half per-position credit (dense), half exact match (what held-out accuracy
+    counts)."""
+    return ReverseTaskConfig(min_len=2, max_len=4, alphabet="abcdefghij", num_eval=200)
 
 
 def tiny_reverse() -> GRPORunConfig:
@@ -47,7 +41,7 @@ def tiny_reverse() -> GRPORunConfig:
         generator=GeneratorConfig(num_replicas=1, max_model_len=32, max_tokens=8, temperature=1.0, weight_sync="shm"),
         grpo=GRPOConfig(steps=200, prompts_per_step=64, group_size=8),
         warmup=WarmupConfig(steps=40, batch_size=64, lr=3e-3),
-        task=reverse_task(),
+        reverse=reverse_task(),
     )
 
 
@@ -59,7 +53,7 @@ def tiny_reverse_sft() -> SFTRunConfig:
         optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10),
         generator=GeneratorConfig(num_replicas=1, max_model_len=32, max_tokens=8),
         sft=SFTConfig(max_steps=300, batch_size=64, eval_every=100),
-        task=reverse_task(),
+        reverse=reverse_task(),
         run=RunConfig(save_every=100),
     )
 

@@ -22,7 +22,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import this_host
 
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
-from meshrl.actors.reward import Scored
+from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
     Completion,
     Datum,
@@ -68,6 +68,29 @@ class Pending(Generic[T]):
         return self._value
 
 
+def _pad_id(tokenizer: Any, model_dir: str) -> int:
+    """The padding id: the given tokenizer's (a transformers tokenizer or meshrl's CharTokenizer), else the model
+    directory's tokenizer's, else its EOS (padding is never a target, any id in the vocabulary does)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for attr in ("pad_token_id", "pad_id", "eos_token_id", "eos_id"):
+        if isinstance(value := getattr(tokenizer, attr, None), int):
+            return value
+    return 0
+
+
+def _export_import_path() -> None:
+    """Actor processes inherit PYTHONPATH: put the controller's script directory and working directory on it, so
+    that user code named by import path (rewards, losses, tasks) imports in every process as it does here."""
+    import sys
+
+    extra = [p for p in (os.getcwd(), sys.path[0] if sys.path and sys.path[0] else None) if p]
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(current + extra))
+
+
 def _rank0(values: list[Any]) -> Any:
     """Trainer endpoints return the same (already all-reduced) value on every rank; take rank 0's."""
     (value_mesh,) = values
@@ -84,6 +107,15 @@ class WeightSyncTiming:
 
 
 class Controller:
+    """The run's actor meshes on this host, as futures-returning calls.
+
+        with Controller(model_dir="ckpt/", model_cfg=ModelConfig(backend="hf"), trainer_cfg=TrainerConfig(),
+                        generator_cfg=GeneratorConfig(), rewards=RewardSet({"math_verify": 1.0})) as ctl:
+            groups = ctl.generate(prompt_ids, SamplingParams(n=8)).result()
+
+    `rewards`: a RewardSet (or a name -> weight dict) scored by `ScoringConfig.num_procs` reward processes; None:
+    no reward processes. `tokenizer` is optional: the padding id comes from it, else from the model directory."""
+
     def __init__(
         self,
         *,
@@ -91,10 +123,11 @@ class Controller:
         model_cfg,
         trainer_cfg,
         generator_cfg,
-        tokenizer,
-        reward_weights: dict[str, float] | None,
+        rewards: RewardSet | dict[str, float] | None = None,
+        tokenizer: Any = None,
         seed: int = 0,
         call_timeout_s: float = 600.0,
+        reward_weights: dict[str, float] | None = None,
     ) -> None:
         from monarch.spmd import setup_torch_elastic_env
 
@@ -102,25 +135,35 @@ class Controller:
 
         if generator_cfg is not None:
             check_weight_sync(trainer_cfg, generator_cfg)  # before anything is spawned
+        if rewards is None and reward_weights is not None:  # the older keyword
+            rewards = reward_weights
+        if rewards is not None and not isinstance(rewards, RewardSet):
+            rewards = RewardSet(dict(rewards))  # resolves every name now: a bad one fails before any spawn
         self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
-        self._model_args = (model_cfg, trainer_cfg, tokenizer.pad_id)  # for a ReferenceModel started later
+        self.model_cfg, self.trainer_cfg = model_cfg, trainer_cfg
+        pad_id = _pad_id(tokenizer, self.model_dir)
+        self._model_args = (model_cfg, trainer_cfg, pad_id)  # for a ReferenceModel started later
         self.reference, self.reference_procs = None, 0
         # Monarch's default reaction to a dead actor process is to exit the controller (KeyboardInterrupt in the
         # main thread). We record the failure instead; the waiting call raises ActorDiedError, and the program
         # ends with a message naming the last good checkpoint.
         self.failures: list[str] = []
         monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
+        _export_import_path()
         remove_stale_files()  # left by an earlier run whose trainer or controller was SIGKILLed
         host = this_host()
-        self._procs = [host.spawn_procs(per_host={"procs": trainer_cfg.num_procs})]
-        setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
-        self.trainer = self._procs[0].spawn(
-            "trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, tokenizer.pad_id
-        )
-        # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator.
-        trainer_ready = Pending(
-            [self.trainer.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
-        )
+        # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator,
+        # one without training (evaluation of a checkpoint) no trainer: its generators load `model_dir` as it is.
+        self._procs, self.trainer, trainer_ready = [], None, None
+        if trainer_cfg is not None:
+            self._procs.append(host.spawn_procs(per_host={"procs": trainer_cfg.num_procs}))
+            setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
+            self.trainer = self._procs[0].spawn(
+                "trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, pad_id
+            )
+            trainer_ready = Pending(
+                [self.trainer.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
+            )
         self.generators = self.reward = None
         # A store of its own: two Controllers in one process (tests, a user's script) never see each other's
         # versions, and shutting one down leaves the other's store alone.
@@ -138,14 +181,19 @@ class Controller:
             gens_ready = Pending(
                 [self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup"
             )
-        if reward_weights is not None:
-            self._procs.append(host.spawn_procs(per_host={"procs": 1}))
-            self.reward = self._procs[-1].spawn("reward", RewardActor, tokenizer, reward_weights)
-        infos = trainer_ready.result()
-        self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
+        self.num_reward_procs = 0
+        if rewards is not None:
+            self.num_reward_procs = rewards.cfg.num_procs
+            self._procs.append(host.spawn_procs(per_host={"procs": self.num_reward_procs}))
+            self.reward = self._procs[-1].spawn("reward", RewardActor, rewards)
+        self.trainer_info, self.trainer_pids = {"policy_version": 0}, []
+        if trainer_ready is not None:
+            infos = trainer_ready.result()
+            self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
         if generator_cfg is not None:
             self.generator_info = gens_ready.result()
-            self._start_weight_sync(generator_cfg.weight_sync)
+            if self.trainer is not None:
+                self._start_weight_sync(generator_cfg.weight_sync)
         self.policy_version = self.trainer_info["policy_version"]
         self._last_synced: int | None = None
 
@@ -243,6 +291,7 @@ class Controller:
         """Push the trainer's weights under `version` (default: the current policy version) and make every
         generator load them. Returns when all generators serve exactly that version."""
         self._need("generators", self.generators)
+        self._need("a trainer", self.trainer)
         version = self.policy_version if version is None else version
         transport = self.weight_transport
         if version == self._last_synced:
@@ -318,14 +367,29 @@ class Controller:
         fut = self.generators.slice(procs=0).prompt_logprobs.call_one(sequences)
         return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
 
-    def score(self, completion_ids: list[list[int]], answers: list[str]) -> Pending[list[Scored]]:
+    def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> Pending[list[ScoredSample]]:
+        """Rewards of completion texts, `group_size` consecutive completions per row (`Row.verifier_view()` dicts),
+        split by rows over the reward processes; results in completion order."""
         self._need("a reward actor", self.reward)
-        return Pending([self.reward.score.call_one(completion_ids, answers)], lambda v: v[0], self.timeout_s, "score")
+        if len(completions) != len(rows) * group_size:
+            raise ValueError(f"{len(completions)} completions for {len(rows)} rows x group_size={group_size}")
+        n = self.num_reward_procs
+        bounds = [len(rows) * i // n for i in range(n + 1)]
+        futures = [
+            self.reward.slice(procs=i).score.call_one(
+                completions[lo * group_size : hi * group_size], rows[lo:hi], group_size
+            )
+            for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
+            if hi > lo
+        ]
+        return Pending(futures, lambda parts: [s for part in parts for s in part], self.timeout_s, "score")
 
     @staticmethod
     def _need(what: str, mesh: Any) -> None:
         if mesh is None:
-            raise RuntimeError(f"this Controller was started without {what} (generator_cfg / reward_weights None)")
+            raise RuntimeError(
+                f"this Controller was started without {what} (trainer_cfg / generator_cfg / rewards None)"
+            )
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -338,8 +402,8 @@ class Controller:
                 pass
         # Consumers first (all at once), the trainer last: generators still map the trainer's weight buffer
         # (CUDA IPC warns when the producing process exits before them).
-        trainer_procs, *consumer_procs = self._procs
-        for group in (consumer_procs, [trainer_procs]):
+        trainer_procs, consumer_procs = (self._procs[:1], self._procs[1:]) if self.trainer else ([], self._procs)
+        for group in (consumer_procs, trainer_procs):
             stopping = []
             for procs in group:
                 try:

@@ -1,6 +1,11 @@
 """GRPO on Monarch meshes — the whole RL loop, top to bottom.
 
     python -m meshrl.controller.grpo --preset tiny-reverse [--grpo.steps 40 ...]   (--help lists every field)
+    python -m meshrl.controller.grpo --model.path ./my-qwen3 --data.train train.jsonl --data.eval test.jsonl \
+        --data.prompt-field question --reward math_verify=1.0,format=0.1
+    python -m meshrl.controller.grpo --model.path ./my-llama --task reasoning_gym:countdown --reward task=1.0
+
+From Python: `main(cfg, train_rows=[...], eval_rows=[...], reward_fns={"mine": fn})`.
 
 sample prompts → generate G completions each → score (+ DAPO overlong shaping; dynamic sampling refills groups
 whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
@@ -17,7 +22,7 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -36,10 +41,11 @@ from meshrl.controller.steps import (
     supervised_warmup,
     train_step,
 )
-from meshrl.models.qwen3 import create_random_checkpoint
+from meshrl.data.sampler import EpochSampler
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
-from meshrl.tasks import Task, build_task
+from meshrl.tasks import Row, build_task
+from meshrl.tasks.setup import TaskSetup, ensure_model
 from meshrl.types import Datum, OptimParams, SamplingParams
 
 
@@ -55,12 +61,18 @@ def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> 
 
 
 def rl_step(
-    ctl: Controller, cfg: GRPORunConfig, task: Task, rng: random.Random, sampling: SamplingParams, step: int
+    ctl: Controller,
+    cfg: GRPORunConfig,
+    setup: TaskSetup,
+    sampler: EpochSampler,
+    rng: random.Random,
+    sampling: SamplingParams,
+    step: int,
 ) -> dict:
     """One RL step, sampling through training and weight sync; returns its metrics record."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
-    batch = sample_groups(ctl, task, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+    batch = sample_groups(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
     if not batch.completions:  # dynamic sampling found no group with a learning signal
         return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
     completions, rewards = batch.completions, batch.rewards
@@ -108,6 +120,9 @@ def rl_step(
         "reward_mean": statistics.fmean(batch.task_rewards),  # every completion sampled this step
         "reward_std": statistics.pstdev(batch.task_rewards),
         "reward_trained_mean": statistics.fmean(rewards),  # the trained groups, after shaping
+        "accuracy_sampled": statistics.fmean(batch.correct),  # the verifier's verdict on every sample
+        "reward_failures": sum(batch.reward_failures.values()),  # verifier errors / timeouts (scored 0)
+        **({"reward_failures_by_kind": dict(batch.reward_failures)} if batch.reward_failures else {}),
         "loss": sum(r.loss for r in results),
         "grad_norm": opt.grad_norm,
         "lr": opt.lr,
@@ -116,49 +131,89 @@ def rl_step(
         "logprob_diff_mean": mismatch_mean,
         "logprob_diff_max": mismatch_max,
         "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
-        "groups_trained": len(batch.examples),
+        "groups_trained": len(batch.rows),
         "groups_dropped": batch.groups_dropped,
         "prompts_drawn": batch.prompts_drawn,
-        "prompts": batch.drawn,  # indices into the training set, in draw order (kept or dropped)
+        "prompts": batch.drawn,  # indices into the training prompts, in draw order (kept or dropped)
+        "epoch": sampler.epochs_done,
         "sampling_rounds": batch.rounds,
         "tokens_per_s": n_tokens / (t4 - t0),
         "time_generate_s": batch.time_generate_s,
-        "time_score_s": t2 - t0 - batch.time_generate_s,
+        "time_score_s": batch.time_score_s,
+        "time_advantages_s": t2 - t0 - batch.time_generate_s - batch.time_score_s,
         "time_train_s": t3 - t2,
         "time_weight_sync_s": t4 - t3,
         "weight_sync_bytes": sync.bytes,
     }
 
 
-def main(cfg: GRPORunConfig) -> dict:
+# Trainer and generator compute the same logprobs up to rounding (~1e-6 nats in float32, ~1e-2 in bfloat16). A
+# gap of this size means they run different models — dropout left on, another checkpoint, a broken weight sync —
+# and every importance ratio of the loss is wrong.
+LOGPROB_GAP_WARN_NATS = 0.1
+
+
+def warn_on_logprob_gap(record: dict) -> None:
+    gap = record.get("logprob_diff_mean", 0.0)
+    if gap > LOGPROB_GAP_WARN_NATS:
+        print(
+            f"[meshrl] WARNING: trainer and generator logprobs differ by {gap:.3f} nats per token on average (max "
+            f"{record['logprob_diff_max']:.3f}) at step {record['step']}: they are not computing the same model "
+            "(dropout on? different dtypes or weights?). The policy-gradient ratios are off; check before trusting "
+            "this run.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def main(
+    cfg: GRPORunConfig,
+    *,
+    train_rows: Sequence[dict | Row] | None = None,
+    eval_rows: Sequence[dict | Row] | None = None,
+    reward_fns: Mapping[str, Callable] | None = None,
+) -> dict:
+    """Run GRPO. `train_rows` / `eval_rows` (row dicts as in a JSONL file, or `Row`s) stand in for --data.train /
+    --data.eval; `reward_fns` ({name: fn(completion, row) -> float}) add reward functions, weight 1.0 unless
+    cfg.reward weighs them."""
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
-    task = build_task(cfg.task)
-    model_dir = cfg.model.path or str(run.path / "base_model")
-    if cfg.model.path is None and not Path(model_dir, "config.json").exists():  # a resumed run has it already
-        create_random_checkpoint(model_dir, flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed)
+    task = build_task(cfg, train_rows=train_rows, eval_rows=eval_rows)
+    model_dir = ensure_model(cfg, task, run.path)
+    eval_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
+    setup = TaskSetup.prepare(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
     print(
-        f"[meshrl] run dir {run.path}\n[meshrl] starting {cfg.trainer.num_procs} trainer + "
-        f"{cfg.generator.num_replicas} generator + 1 reward processes from {model_dir}"
+        f"[meshrl] run dir {run.path}\n[meshrl] task {task.name}: {'; '.join(setup.notes)}\n"
+        f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"
+        f"[meshrl] starting {cfg.trainer.num_procs} trainer + {cfg.generator.num_replicas} generator + "
+        f"{cfg.scoring.num_procs} reward processes from {model_dir}"
     )
-    eval_tokens = cfg.run.eval_max_tokens or cfg.generator.max_tokens
     sampling = SamplingParams(
         max_tokens=cfg.generator.max_tokens,
         temperature=cfg.generator.temperature,
         top_p=cfg.generator.top_p,
         top_k=cfg.generator.top_k,
         n=cfg.grpo.group_size,
-        stop_token_ids=[task.tokenizer.eos_id],
+        stop_token_ids=setup.renderer.stop_token_ids,
     )
-    rng = random.Random(cfg.run.seed)  # the controller's only randomness: prompt draws and generation seeds
+    rng = random.Random(cfg.run.seed)  # generation seeds: with the sampler, all of the controller's randomness
+    sampler = EpochSampler(len(setup.train), seed=cfg.run.seed)  # shuffled epochs over the training prompts
     ckpts = RunCheckpoints("grpo", run, cfg)
+
+    def run_eval(when: str, step: int) -> dict:
+        record = evaluate(
+            ctl, setup, cfg.eval, max_tokens=eval_tokens, temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
+        )  # fmt: skip
+        run.log({"phase": "eval", "when": when, "step": step, **record})
+        return record
 
     ctl = Controller(
         model_dir=model_dir,
         model_cfg=cfg.model,
         trainer_cfg=cfg.trainer,
         generator_cfg=cfg.generator,
-        tokenizer=task.tokenizer,
-        reward_weights=task.reward_weights,
+        rewards=setup.rewards,
+        tokenizer=setup.renderer.tokenizer,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
     )
@@ -166,51 +221,61 @@ def main(cfg: GRPORunConfig) -> dict:
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
         # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
-        # never repeats either; it reloads the trainer, the RNG and the before-RL result.
+        # never repeats either; it reloads the trainer, the RNG, the data cursor and the before-RL result.
         if resumed := ckpts.restore(ctl):
             start, before, ref_dir = resumed["step"], resumed["before_rl"], resumed["reference_model"]
             set_rng_state(rng, resumed["rng"])
+            sampler = EpochSampler.from_state(len(setup.train), resumed["sampler"])
             ctl.sync_weights()  # the generators sample from the resumed weights
         else:
             start = 0
             if cfg.warmup.steps:
                 print(
                     f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
-                    "demonstrations (same forward_backward/optim_step endpoints), then RL"
+                    "reference answers (same forward_backward/optim_step endpoints), then RL"
                 )
                 supervised_warmup(
                     ctl,
-                    task,
+                    setup,
                     cfg.warmup,
                     micro_batch_size=cfg.trainer.micro_batch_size,
                     optim=cfg.optim,
                     seed=cfg.run.seed,
+                    max_len=cfg.generator.max_model_len,
                     log=run.log,
                 )
                 ctl.sync_weights()
             ref_dir = None
             if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
                 ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
-            before = evaluate(ctl, task, task.eval, eval_tokens)
-            run.log({"phase": "eval", "when": "before_rl", **before})
+            before = run_eval("before_rl", 0)
         if ref_dir is not None:
             ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
-        print(f"[meshrl] held-out exact match before RL: {before['accuracy']:.3f}")
+        print(f"[meshrl] held-out before RL: {describe_eval(before)}")
 
         def checkpoint_state() -> dict:
-            return {"rng": rng_state(rng), "before_rl": before, "reference_model": ref_dir, "warmup_done": True}
+            return {
+                "rng": rng_state(rng),
+                "sampler": sampler.state(),
+                "before_rl": before,
+                "reference_model": ref_dir,
+                "warmup_done": True,
+            }
 
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, task, rng, sampling, step)
+            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step)
             run.log(record)
             if record["phase"] == "rl":
+                warn_on_logprob_gap(record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{record['logprob_diff_max']:.1e}")
-            if stopped := ckpts.after_step(ctl, step + 1, cfg.grpo.steps, checkpoint_state):
-                return {"stopped_at": step + 1, "checkpoint": stopped, "run_dir": str(run.path)}
+            done = step + 1
+            if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.grpo.steps:
+                bar.write(f"[meshrl] held-out at step {done}: {describe_eval(run_eval('during_rl', done))}")
+            if stopped := ckpts.after_step(ctl, done, cfg.grpo.steps, checkpoint_state):
+                return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
 
-        after = evaluate(ctl, task, task.eval, eval_tokens)
-        run.log({"phase": "eval", "when": "after_rl", **after})
+        after = run_eval("after_rl", cfg.grpo.steps)
         last_ckpt = ckpts.save(ctl, cfg.grpo.steps, checkpoint_state())
         final_dir = ctl.export_hf(str(run.path / "final_model"))
 
@@ -225,6 +290,9 @@ def main(cfg: GRPORunConfig) -> dict:
         "reward_gain": last - first,
         "eval_accuracy_before_rl": before["accuracy"],
         "eval_accuracy_after_rl": after["accuracy"],
+        "eval_before_rl": {k: v for k, v in before.items() if k != "samples"},
+        "eval_after_rl": {k: v for k, v in after.items() if k != "samples"},
+        "task": task.name,
         "warmup_steps": cfg.warmup.steps,
         "rl_steps": cfg.grpo.steps,
         "run_dir": str(run.path),
@@ -235,15 +303,21 @@ def main(cfg: GRPORunConfig) -> dict:
     }
     run.write_json("summary.json", summary)
     print(f"[meshrl] reward: first 5 steps {first:.3f} → last 5 steps {last:.3f} (gain {last - first:+.3f})")
-    print(
-        f"[meshrl] held-out exact match (greedy): before RL {before['accuracy']:.3f} → after RL {after['accuracy']:.3f}"
-    )
+    print(f"[meshrl] held-out (correct = {setup.verifier} >= 1), before RL: {describe_eval(before)}")
+    print(f"[meshrl] held-out (correct = {setup.verifier} >= 1), after RL:  {describe_eval(after)}")
     print(
         f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
         f"[meshrl] checkpoint: {final_dir} (HF format); {last_ckpt} (resumable)\n"
         f"[meshrl] summary:    {run.path / 'summary.json'}"
     )
     return summary
+
+
+def describe_eval(record: dict) -> str:
+    """'greedy accuracy 0.365, mean@8 0.301, pass@1 0.301, pass@8 0.640'"""
+    parts = [f"greedy accuracy {record['accuracy']:.3f}"]
+    parts += [f"{k} {v:.3f}" for k, v in record.items() if k.startswith(("mean@", "pass@"))]
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -10,32 +10,31 @@ every `eval_every` steps; write a resumable checkpoint every `run.save_every` st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from meshrl.config import SFTRunConfig
-from meshrl.controller.api import Controller
+from meshrl.config import EvalConfig, SFTRunConfig
+from meshrl.controller.api import Controller, _pad_id
 from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
-from meshrl.models.qwen3 import create_random_checkpoint, read_hf_config
+from meshrl.models.hf_config import max_positions
+from meshrl.models.qwen3 import read_hf_config
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
-from meshrl.tasks import Task, build_task
+from meshrl.tasks import Row, Task, build_task
+from meshrl.tasks.setup import TaskSetup, ensure_model
 from meshrl.types import Datum, LossSpec, OptimParams
 
 
 def load_data(
-    cfg: SFTRunConfig, task: Task, model_dir: str, train_rows: list | None, eval_rows: list | None
+    cfg: SFTRunConfig, task: Task | None, model_dir: str, tokenizer, train_rows: list | None, eval_rows: list | None
 ) -> tuple[SFTDataset, SFTDataset | None]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    max_len = cfg.data.max_seq_len or int(read_hf_config(model_dir)["max_position_embeddings"])
+    max_len = cfg.data.max_seq_len or max_positions(read_hf_config(model_dir))
     d = cfg.data
     kw = dict(
         max_seq_len=max_len,
@@ -44,16 +43,24 @@ def load_data(
         response_field=d.response_field,
         messages_field=d.messages_field,
     )
+    chat = getattr(tokenizer, "chat_template", None) is not None
 
-    def rows(source: str | None, given: list | None, examples) -> Any:
+    def task_row(row: Row) -> dict:
+        # Rendered as RL renders it: one user turn through the chat template when the model has one.
+        messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else list(row.prompt)
+        if chat:
+            return {"messages": [*messages, {"role": "assistant", "content": task.demonstration(row)}]}
+        return {"prompt": row.prompt, "response": task.demonstration(row)}
+
+    def rows(source: str | None, given: list | None, task_rows) -> Any:
         if given is not None:
             return given
         if source == "task":
-            return [{"prompt": e.prompt, "response": e.answer} for e in examples]
+            return [task_row(r) for r in task_rows]
         return source
 
-    train = load_sft_dataset(rows(d.train, train_rows, task.train), tokenizer, **kw)
-    eval_source = rows(d.eval, eval_rows, task.eval)
+    train = load_sft_dataset(rows(d.train, train_rows, task.train if task else None), tokenizer, **kw)
+    eval_source = rows(d.eval, eval_rows, task.eval if task else None)
     return train, (load_sft_dataset(eval_source, tokenizer, **kw) if eval_source is not None else None)
 
 
@@ -63,16 +70,19 @@ def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
 
 def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
-    task = build_task(cfg.task)
-    model_dir = cfg.model.path or str(run.path / "base_model")
-    if cfg.model.path is None and not Path(model_dir, "config.json").exists():
-        create_random_checkpoint(model_dir, flavor=cfg.model.flavor, tokenizer=task.tokenizer, seed=cfg.model.seed)
-    train, held_out = load_data(cfg, task, model_dir, train_rows, eval_rows)
+    uses_task = train_rows is None and cfg.data.train == "task" or eval_rows is None and cfg.data.eval == "task"
+    task = build_task(dataclasses.replace(cfg, task=cfg.task or "reverse")) if uses_task else None
+    model_dir = ensure_model(cfg, task, run.path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, held_out = load_data(cfg, task, model_dir, tokenizer, train_rows, eval_rows)
     for name, ds in (("train", train), ("eval", held_out)):
         if ds is not None and ds.skipped:
             print(f"[meshrl] {name} data {ds.source}: skipped {sum(ds.skipped.values())} bad rows: {dict(ds.skipped)}")
     is_task_eval = held_out is not None and eval_rows is None and cfg.data.eval == "task"
     generate_eval = cfg.sft.eval_generate and is_task_eval
+    setup = TaskSetup.prepare(cfg, task, model_dir) if generate_eval else None
     ckpts = RunCheckpoints("sft", run, cfg)
     sampler, start = EpochSampler(len(train), seed=cfg.data.shuffle_seed), 0
     steps_per_epoch = len(train) / cfg.sft.batch_size
@@ -80,7 +90,8 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
     if cfg.sft.max_epochs is not None:
         total = min(total, math.ceil(cfg.sft.max_epochs * steps_per_epoch))
     dp, micro = cfg.trainer.num_procs, cfg.trainer.micro_batch_size
-    pack_len = cfg.data.pack_len or cfg.data.max_seq_len or int(read_hf_config(model_dir)["max_position_embeddings"])
+    pack_len = cfg.data.pack_len or cfg.data.max_seq_len or max_positions(read_hf_config(model_dir))
+    pad_id = _pad_id(tokenizer, model_dir)
     print(
         f"[meshrl] SFT: {len(train)} train rows, {len(held_out) if held_out else 0} eval rows, {total} steps "
         f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}"
@@ -91,8 +102,8 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         model_cfg=cfg.model,
         trainer_cfg=cfg.trainer,
         generator_cfg=cfg.generator if generate_eval else None,
-        tokenizer=task.tokenizer,
-        reward_weights=task.reward_weights if generate_eval else None,
+        rewards=setup.rewards if setup else None,
+        tokenizer=tokenizer,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
     )
@@ -108,7 +119,9 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                 record["eval_loss"] = eval_nll(ctl, to_data(held_out, list(range(len(held_out)))), micro, dp)
             if generate_eval:
                 ctl.sync_weights()
-                record["accuracy"] = evaluate(ctl, task, task.eval, cfg.generator.max_tokens)["accuracy"]
+                record["accuracy"] = evaluate(
+                    ctl, setup, EvalConfig(), max_tokens=cfg.generator.max_tokens, temperature=1.0
+                )["accuracy"]
             run.log(record)
             return record
 
@@ -118,7 +131,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             indices = sampler.next_indices(cfg.sft.batch_size)
             if cfg.data.pack:
                 rows = pack_examples([train.examples[i] for i in indices], pack_len)
-                data = pad_rows(rows, dp, task.tokenizer.pad_id)
+                data = pad_rows(rows, dp, pad_id)
             else:
                 data = to_data(train, indices)
             loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))

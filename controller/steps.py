@@ -8,6 +8,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,10 +26,13 @@ from meshrl.checkpoint import (
     resolve_resume,
     resume_command,
 )
+from meshrl.config import EvalConfig
 from meshrl.controller.api import ActorDiedError, Controller
+from meshrl.data.sampler import EpochSampler
+from meshrl.rewards import ScoredSample
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
-from meshrl.tasks import Example, Task
+from meshrl.tasks.setup import TaskSetup
 from meshrl.types import Completion, Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult, SamplingParams
 
 T = TypeVar("T")
@@ -54,27 +58,74 @@ def train_step(
     return results, results[-1].optim
 
 
-def evaluate(ctl: Controller, task: Task, examples: list[Example], max_tokens: int) -> dict[str, float]:
-    """Greedy exact-match accuracy (and mean reward) on held-out examples, through the Generator."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[task.tokenizer.eos_id])
-    completions = [group[0] for group in ctl.generate(task.prompt_ids(examples), params).result()]
-    scored = ctl.score([c.token_ids for c in completions], [e.answer for e in examples]).result()
-    exact = [s.text == e.answer for s, e in zip(scored, examples, strict=True)]
-    return {
-        "accuracy": sum(exact) / len(exact),
+def evaluate(
+    ctl: Controller,
+    setup: TaskSetup,
+    cfg: EvalConfig,
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+) -> dict[str, Any]:
+    """Held-out evaluation through the Generator and the reward processes: greedy accuracy and mean reward; with
+    `cfg.samples` = k > 0 also mean@k and pass@k (unbiased) over k samples per prompt at the training temperature.
+    Correct means `setup.verifier` gives >= 1. Sampling seeds come from `cfg.seed`, not the run's RNG, so evaluating
+    never changes what a run trains on."""
+    from meshrl.evaluation import summarize
+
+    prompts, views, stop = setup.eval.prompt_ids, setup.eval.views, setup.renderer.stop_token_ids
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
+    sampled = None
+    if cfg.samples:
+        sampled = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=cfg.samples,
+            stop_token_ids=stop, seed=cfg.seed,
+        )  # fmt: skip
+    pending_greedy = ctl.generate(prompts, greedy)
+    pending_sampled = ctl.generate(prompts, sampled) if sampled else None
+    texts = setup.renderer.completion_texts([group[0].token_ids for group in pending_greedy.result()])
+    scored = ctl.score(texts, views).result()
+    correct = [is_correct(s, setup.verifier) for s in scored]
+    record: dict[str, Any] = {
+        "accuracy": sum(correct) / len(correct),
         "reward_mean": sum(s.reward for s in scored) / len(scored),
-        "samples": [f"{e.prompt}{s.text}" for s, e in zip(scored[:5], examples[:5], strict=True)],
+        "reward_failures": sum(bool(s.failures) for s in scored),
+        "samples": [
+            f"{_prompt_text(row.prompt)}{text}" for row, text in zip(setup.eval.rows[:5], texts[:5], strict=False)
+        ],
     }
+    if pending_sampled is not None:
+        k = cfg.samples
+        groups = pending_sampled.result()
+        texts_k = setup.renderer.completion_texts([c.token_ids for group in groups for c in group])
+        scored_k = ctl.score(texts_k, views, group_size=k).result()
+        correct_k = [[is_correct(s, setup.verifier) for s in scored_k[i * k : (i + 1) * k]] for i in range(len(views))]
+        record.update(summarize(correct_k, cfg.ks))
+        record["reward_failures"] += sum(bool(s.failures) for s in scored_k)
+    return record
 
 
-def supervised_warmup(ctl: Controller, task: Task, cfg, *, micro_batch_size: int, optim, seed: int, log) -> None:
-    """A short cross-entropy phase on the task's demonstrations, through the same forward_backward /
-    optim_step endpoints as RL (the loss on response tokens only)."""
+def is_correct(scored: ScoredSample, verifier: str) -> bool:
+    return scored.parts.get(verifier, 0.0) >= 1.0 - 1e-9 and verifier not in scored.failures
+
+
+def _prompt_text(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) + " -> "
+
+
+def supervised_warmup(
+    ctl: Controller, setup: TaskSetup, cfg, *, micro_batch_size: int, optim, seed: int, max_len: int, log
+) -> None:
+    """A short cross-entropy phase on the task's reference answers, rendered like the RL prompts (a completion
+    the generator would sample), through the same forward_backward / optim_step endpoints as RL (the loss on
+    response tokens only)."""
     from tqdm import tqdm
 
+    rows, demos = setup.demonstrations(max_len)
     rng = random.Random(seed)
     for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
-        data = [Datum.from_completion(*task.demonstration_ids(e)) for e in rng.sample(task.train, cfg.batch_size)]
+        data = [Datum.from_completion(*demos[i]) for i in rng.sample(range(len(rows)), cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
         params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
@@ -204,13 +255,15 @@ def _as_json(cfg: Any) -> dict[str, Any]:
 
 @dataclass
 class SampledGroups:
-    """What one RL step trains on, group by group (`group_size` completions per example)."""
+    """What one RL step trains on, group by group (`group_size` completions per prompt)."""
 
-    examples: list[Example]
-    drawn: list[int]  # indices into task.train of every prompt drawn this step, in order (kept or dropped)
+    rows: list[int]  # indices into the training prompts of the groups kept
+    drawn: list[int]  # indices of every prompt drawn this step, in order (kept or dropped)
     completions: list[Completion]
     rewards: list[float]  # per completion: task reward + overlong shaping (what advantages are computed from)
     task_rewards: list[float]  # the task reward of EVERY completion generated this step (kept or dropped)
+    correct: list[bool]  # the verifier's verdict on every completion generated this step
+    reward_failures: dict[str, int]  # "name: timeout" / "name: error" -> samples (scored 0 for that function)
     prompts_drawn: int
     rounds: int
     groups_dropped: int
@@ -219,7 +272,14 @@ class SampledGroups:
 
 
 def sample_groups(
-    ctl: Controller, task: Task, rng: random.Random, sampling: SamplingParams, cfg, *, dp: int
+    ctl: Controller,
+    setup: TaskSetup,
+    sampler: EpochSampler,
+    rng: random.Random,
+    sampling: SamplingParams,
+    cfg,
+    *,
+    dp: int,
 ) -> SampledGroups:
     """Generate and score `cfg.prompts_per_step` groups (cfg: a GRPOConfig), with DAPO's overlong reward shaping.
     With `cfg.dynamic_sampling`, groups whose rewards are all equal are dropped and refilled from new prompts
@@ -227,38 +287,44 @@ def sample_groups(
     all-equal group. If the rounds run out it holds fewer groups, trimmed to a count the `dp` trainer ranks can
     split (possibly none).
 
-    `rng` is all the randomness: it draws the prompts and each round's generation seed (the engines derive
-    every sample's noise from it), so restoring `rng` reproduces the step exactly — e.g. after a resume."""
+    The prompts come from `sampler` (deterministic shuffled epochs over the training prompts) and each round's
+    generation seed from `rng` (the engines derive every sample's noise from it), so restoring both reproduces the
+    step exactly — e.g. after a resume."""
     g, want = cfg.group_size, cfg.prompts_per_step
-    out = SampledGroups([], [], [], [], [], 0, 0, 0, 0.0, 0.0)
-    while len(out.examples) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-        picks = rng.sample(range(len(task.train)), want)
-        examples = [task.train[i] for i in picks]
+    out = SampledGroups([], [], [], [], [], [], Counter(), 0, 0, 0, 0.0, 0.0)
+    while len(out.rows) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
+        picks = sampler.next_indices(want)
         seeded = dataclasses.replace(sampling, seed=rng.getrandbits(32))
         t0 = time.perf_counter()
-        completions = [c for group in ctl.generate(task.prompt_ids(examples), seeded).result() for c in group]
+        prompts = [setup.train.prompt_ids[i] for i in picks]
+        completions = [c for group in ctl.generate(prompts, seeded).result() for c in group]
         t1 = time.perf_counter()
-        answers = [e.answer for e in examples for _ in range(g)]
-        task_rewards = [s.reward for s in ctl.score([c.token_ids for c in completions], answers).result()]
+        texts = setup.renderer.completion_texts([c.token_ids for c in completions])
+        scored = ctl.score(texts, [setup.train.views[i] for i in picks], group_size=g).result()
+        task_rewards = [s.reward for s in scored]
+        for s in scored:
+            for name, why in s.failures.items():
+                out.reward_failures[f"{name}: {why.split(':')[0]}"] += 1
+        out.correct += [is_correct(s, setup.verifier) for s in scored]
         out.time_generate_s += t1 - t0
         out.time_score_s += time.perf_counter() - t1
         rewards = [
             r + overlong_penalty(len(c.token_ids), sampling.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             for r, c in zip(task_rewards, completions, strict=True)
         ]
-        keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(examples)))
-        keep = keep[: want - len(out.examples)]
+        keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(picks)))
+        keep = keep[: want - len(out.rows)]
         for i in keep:
-            out.examples.append(examples[i])
+            out.rows.append(picks[i])
             out.completions += completions[i * g : (i + 1) * g]
             out.rewards += rewards[i * g : (i + 1) * g]
         out.task_rewards += task_rewards
         out.drawn += picks
-        out.prompts_drawn += len(examples)
+        out.prompts_drawn += len(picks)
         out.rounds += 1
-        out.groups_dropped += len(examples) - len(keep)
+        out.groups_dropped += len(picks) - len(keep)
     while len(out.completions) % dp:  # a short batch must still split evenly over the trainer ranks
-        out.examples.pop()
+        out.rows.pop()
         del out.completions[-g:], out.rewards[-g:]
     return out
 

@@ -388,34 +388,57 @@ class _StandInCtl:
             out.append([Completion(p, [5 if equal else 5 + j % 2], [-1.0], "stop", 0) for j in range(params.n)])
         return SimpleNamespace(result=lambda: out)
 
-    def score(self, ids, answers):
-        return SimpleNamespace(result=lambda: [SimpleNamespace(reward=float(i[0])) for i in ids])
+    def score(self, texts, rows, group_size=1):
+        # Completion 'b' (token 5) scores 5, 'c' (token 6) scores 6: a group of all-'b' has no signal.
+        rewards = [float(ord(t[0]) - ord("a") + 4) for t in texts]
+        return SimpleNamespace(result=lambda: [SimpleNamespace(reward=r, parts={}, failures={}) for r in rewards])
+
+
+def _reverse_setup(**task_kw):
+    """The reverse task rendered with its character tokenizer, as the GRPO program prepares it (no processes)."""
+    from meshrl.render import Renderer
+    from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
+    from meshrl.tasks.setup import TaskSetup
+
+    cfg = ReverseTaskConfig(**task_kw)
+    renderer = Renderer(cfg.tokenizer().to_hf())
+    return TaskSetup.build(build_reverse_task(cfg), renderer, None, "exact_match", train_budget=16, eval_budget=16)
 
 
 def test_dynamic_sampling_never_trains_an_all_equal_group():
-    from meshrl.config import TaskConfig
     from meshrl.controller.steps import sample_groups
-    from meshrl.tasks import build_task
+    from meshrl.data.sampler import EpochSampler
     from meshrl.types import SamplingParams
 
-    task = build_task(TaskConfig(num_train=40, num_eval=5, min_len=2, max_len=3, alphabet="abcd"))
+    setup = _reverse_setup(num_train=40, num_eval=5, min_len=2, max_len=3, alphabet="abcd")
+    n = len(setup.train)
     sampling = SamplingParams(n=4, max_tokens=8)
     cfg = GRPOConfig(prompts_per_step=6, group_size=4, dynamic_sampling=True, max_sampling_rounds=5)
-    rng, ctl = random.Random(0), _StandInCtl()
+    rng, ctl, sampler = random.Random(0), _StandInCtl(), EpochSampler(n, seed=0)
     drawn_more = False
     for _ in range(20):
-        got = sample_groups(ctl, task, rng, sampling, cfg, dp=2)
-        assert len(got.examples) == 6 and len(got.completions) == 24
+        got = sample_groups(ctl, setup, sampler, rng, sampling, cfg, dp=2)
+        assert len(got.rows) == 6 and len(got.completions) == 24
         assert all(max(g) != min(g) for g in _groups(got.rewards, 4))  # the invariant
         assert got.prompts_drawn == 6 * got.rounds and got.groups_dropped == got.prompts_drawn - 6
         drawn_more |= got.rounds > 1
     assert drawn_more  # the refill path ran
     # Without dynamic sampling, all-equal groups are kept (one round, as before).
-    plain = sample_groups(ctl, task, random.Random(0), sampling, GRPOConfig(prompts_per_step=6, group_size=4), dp=2)
-    assert plain.rounds == 1 and len(plain.examples) == 6
+    plain = sample_groups(
+        ctl,
+        setup,
+        EpochSampler(n, seed=0),
+        random.Random(0),
+        sampling,
+        GRPOConfig(prompts_per_step=6, group_size=4),
+        dp=2,
+    )
+    assert plain.rounds == 1 and len(plain.rows) == 6
     # The round cap: with one round the batch may be short, trimmed to what 4 ranks can split (or empty).
     cfg1 = GRPOConfig(prompts_per_step=6, group_size=2, dynamic_sampling=True, max_sampling_rounds=1)
     for seed in range(10):
-        got = sample_groups(ctl, task, random.Random(seed), SamplingParams(n=2), cfg1, dp=4)
+        got = sample_groups(
+            ctl, setup, EpochSampler(n, seed=seed), random.Random(seed), SamplingParams(n=2), cfg1, dp=4
+        )
         assert got.rounds == 1 and len(got.completions) % 4 == 0
         assert all(max(g) != min(g) for g in _groups(got.rewards, 2))

@@ -80,21 +80,26 @@ def test_reference_model_is_frozen_and_its_kl_term_matches_by_hand(ctl, tokenize
 def test_dynamic_sampling_with_the_real_generator_and_reward_actor(ctl, base_model_dir):
     """One-token completions of a random model: many groups get the same char_match reward for every sample
     (all wrong). Dynamic sampling must drop exactly those and train only groups with a signal."""
-    from meshrl.config import GRPOConfig, TaskConfig
+    from meshrl.config import GRPOConfig
     from meshrl.controller.steps import sample_groups
-    from meshrl.tasks import build_task
+    from meshrl.data.sampler import EpochSampler
+    from meshrl.render import Renderer
+    from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
+    from meshrl.tasks.setup import TaskSetup
 
     ctl.load_checkpoint(base_model_dir)
     ctl.sync_weights()
-    task = build_task(TaskConfig(num_train=200, num_eval=5))
+    renderer = Renderer.from_model_dir(base_model_dir)  # the model's own tokenizer, as the GRPO program uses
+    task = build_reverse_task(ReverseTaskConfig(num_train=200, num_eval=5))
+    setup = TaskSetup.build(task, renderer, None, "exact_match", train_budget=40, eval_budget=40)
     cfg = GRPOConfig(prompts_per_step=4, group_size=4, dynamic_sampling=True, max_sampling_rounds=3)
     sampling = SamplingParams(n=4, max_tokens=1, temperature=1.0)
-    rng, dropped = random.Random(0), 0
+    rng, dropped, sampler = random.Random(0), 0, EpochSampler(len(setup.train), seed=0)
     for _ in range(4):
-        got = sample_groups(ctl, task, rng, sampling, cfg, dp=2)
+        got = sample_groups(ctl, setup, sampler, rng, sampling, cfg, dp=2)
         groups = [got.rewards[i : i + 4] for i in range(0, len(got.rewards), 4)]
         assert all(max(g) != min(g) for g in groups)
-        assert len(got.completions) == 4 * len(got.examples) and len(got.completions) % 2 == 0
+        assert len(got.completions) == 4 * len(got.rows) and len(got.completions) % 2 == 0
         assert got.prompts_drawn == 4 * got.rounds and len(got.task_rewards) == 4 * got.prompts_drawn
         dropped += got.groups_dropped
     assert dropped > 0  # the filter really ran on real rewards

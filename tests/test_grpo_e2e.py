@@ -45,9 +45,9 @@ def run_dir(tmp_path_factory):
         "16",
         "--warmup.batch-size",
         "16",
-        "--task.num-train",
+        "--reverse.num-train",
         "200",
-        "--task.num-eval",
+        "--reverse.num-eval",
         "8",
         "--run.output-dir",
         str(out),
@@ -58,7 +58,7 @@ def run_dir(tmp_path_factory):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "held-out exact match (greedy): before RL" in proc.stdout
+    assert "held-out (correct = exact_match >= 1), before RL: greedy accuracy" in proc.stdout
     assert "supervised warm-up" in proc.stdout
     return out / "e2e"
 

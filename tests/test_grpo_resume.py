@@ -43,9 +43,9 @@ FLAGS = [
     "--grpo.dynamic-sampling",  # its refill rounds draw from the same RNG: covered by the bitwise check
     "--trainer.micro-batch-size",
     "16",
-    "--task.num-train",
+    "--reverse.num-train",
     "100",
-    "--task.num-eval",
+    "--reverse.num-eval",
     "4",
     "--run.save-every",
     "2",

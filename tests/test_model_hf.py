@@ -79,3 +79,37 @@ def test_titan_flavors_map_to_hf_configs():
 def test_not_a_checkpoint_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="must be an HF-format checkpoint directory"):
         qwen3.read_hf_config(tmp_path)
+
+
+def test_export_carries_tokenizer_chat_template_stop_ids_and_readable_modes(base_model_dir, tmp_path):
+    """save_hf_checkpoint(tokenizer_dir=source) copies every tokenizer file (the chat template included), keeps the
+    source's generation_config eos list, and leaves a 0755 directory of 0644 files (mkdtemp alone gives 0700)."""
+    import json
+    import os
+    import shutil
+    import stat
+
+    from meshrl.models.hf_config import stop_token_ids
+
+    source = tmp_path / "source"
+    shutil.copytree(base_model_dir, source)
+    (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    (source / "merges.txt").write_text("#version: 0.2\n")
+    umask = os.umask(0o022)
+    try:
+        out = qwen3.save_hf_checkpoint(
+            tmp_path / "export",
+            qwen3.load_hf_state_dict(source),
+            qwen3.read_hf_config(source),
+            tokenizer_dir=source,
+        )
+    finally:
+        os.umask(umask)
+    names = {p.name for p in out.iterdir()}
+    assert {"chat_template.jinja", "merges.txt", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 2]
+    assert stop_token_ids(out) == [1, 2]
+    assert AutoTokenizer.from_pretrained(out).chat_template == "{{ messages[0]['content'] }}"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}

@@ -19,10 +19,10 @@ from meshrl.config import (
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
-    TaskConfig,
     TrainerConfig,
 )
 from meshrl.models.qwen3 import load_hf_state_dict
+from meshrl.tasks.reverse import ReverseTaskConfig
 
 
 def _cfg(out, name, *, num_procs=2, **run_kw):
@@ -32,7 +32,7 @@ def _cfg(out, name, *, num_procs=2, **run_kw):
         optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=2),
         sft=SFTConfig(max_steps=6, batch_size=16, eval_every=0, eval_generate=False),
         data=SFTDataConfig(shuffle_seed=7),
-        task=TaskConfig(num_train=40, num_eval=8),
+        reverse=ReverseTaskConfig(num_train=40, num_eval=8),
         run=RunConfig(output_dir=str(out), name=name, save_every=0, call_timeout_s=120, **run_kw),
     )
 
@@ -101,7 +101,7 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(tmp_pat
         "killme",
         "--run.call-timeout-s",
         "120",
-        "--task.num-train",
+        "--reverse.num-train",
         "100",
     ]
     proc = subprocess.Popen(

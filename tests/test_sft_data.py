@@ -45,6 +45,18 @@ def test_parquet_and_in_memory_lists(tmp_path, hf_tok):
     assert a.examples == b.examples
 
 
+def test_json_lists_and_datasets_directories(tmp_path, hf_tok):
+    import datasets
+
+    (tmp_path / "d.json").write_text(json.dumps(GOOD, indent=1))
+    datasets.Dataset.from_list(GOOD).save_to_disk(str(tmp_path / "ds"))
+    expected = load_sft_dataset(GOOD, hf_tok, max_seq_len=64).examples
+    assert load_sft_dataset(tmp_path / "d.json", hf_tok, max_seq_len=64).examples == expected
+    assert load_sft_dataset(str(tmp_path / "ds"), hf_tok, max_seq_len=64).examples == expected
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        load_sft_dataset(str(tmp_path / "missing.jsonl"), hf_tok, max_seq_len=64)
+
+
 def test_chat_messages_train_on_the_last_assistant_turn(hf_tok):
     rows = [{"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "cba"}]}]
     (ex,) = load_sft_dataset(rows, hf_tok, max_seq_len=64).examples

@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
+from meshrl.data.prompts import DataConfig
 from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
-
+from meshrl.render import RenderConfig
+from meshrl.rewards import ScoringConfig
+from meshrl.tasks.reasoning_gym import ReasoningGymConfig
+from meshrl.tasks.reverse import ReverseTaskConfig
 
 WEIGHT_SYNC_TRANSPORTS = ("auto", "torchstore", "cuda_ipc", "shm")
 
@@ -31,6 +34,9 @@ class ModelConfig:
     """Trainer parameter dtype (FSDP mixed-precision param dtype)."""
     seed: int = 0
     """Seed of the random initialisation (used only without `path`)."""
+    bpe_vocab_size: int = 512
+    """Used only without `path`, for tasks other than 'reverse': the new model gets a byte-level BPE tokenizer of
+    this many tokens trained on the task's rows, with a ChatML chat template ('reverse' uses its characters)."""
     backend: Literal["torchtitan", "hf"] = "torchtitan"
     """Trainer model code: 'torchtitan' (Qwen3, torchtitan's parallelize) or 'hf' (any transformers causal LM
     under FSDP2; needs neither torchtitan nor vLLM)."""
@@ -79,6 +85,7 @@ class TrainerConfig:
     num_procs: int = 2
     """Trainer processes (FSDP2 data-parallel shards)."""
     device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer processes compute."""
     micro_batch_size: int = 32
     """Sequences per `forward_backward` call, summed over all trainer ranks."""
     num_threads: int = 1
@@ -148,12 +155,17 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate; the controller computes the per-step value and passes it to `optim_step`."""
     schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after the linear warm-up."""
     warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
     min_lr_ratio: float = 0.1
     """Final LR of the cosine / linear decay, as a fraction of `lr`."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
 
@@ -190,10 +202,16 @@ class GeneratorConfig:
     max_model_len: int = 64
     """Longest prompt + completion the engine accepts (tokens)."""
     kv_cache_memory_bytes: int = 64 * 2**20
+    """KV-cache size of each engine in bytes (vLLM on CPU needs it explicit; the transformers engine sizes its slots
+    from it)."""
     gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: the fraction of GPU memory the engine may take (weights + KV cache)."""
     temperature: float = 1.0
+    """Sampling temperature of RL rollouts (and of mean@k / pass@k evaluation samples)."""
     top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p; 1.0: off."""
     top_k: int = -1
+    """Sample from the k most likely tokens only; -1: off."""
     max_tokens: int = 16
     """Longest completion (tokens)."""
 
@@ -246,6 +264,7 @@ class GRPOConfig:
     steps: int = 40
     """RL steps (one optimiser step each)."""
     prompts_per_step: int = 16
+    """Prompts drawn per RL step (each sampled group_size times)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are relative to the group."""
     # ---- the algorithm (README "Algorithms": the flags of GRPO, DAPO, Dr.GRPO, GSPO, CISPO) ----
@@ -259,6 +278,7 @@ class GRPOConfig:
     constant prompts_per_step x group_size x generator.max_tokens), or a registered one. None: the loss's own
     ('seq_mean_token_mean' for gspo, else 'token_mean')."""
     clip_low: float | None = None
+    """Lower ratio clip: the ratio is clipped to [1 - clip_low, 1 + clip_high]. None: the loss's default."""
     clip_high: float | None = None
     """Ratio clip range [1 - clip_low, 1 + clip_high]. None: the loss's default (grpo 0.2 / 0.2, DAPO uses
     clip_high 0.28; gspo 3e-4 / 4e-4; cispo no lower bound / 4.0)."""
@@ -274,9 +294,11 @@ class GRPOConfig:
     """DAPO soft overlong punishment: a completion longer than generator.max_tokens - overlong_buffer loses reward
     linearly, up to overlong_penalty at max_tokens. 0: off."""
     overlong_penalty: float = 1.0
+    """Largest DAPO overlong penalty (reached at generator.max_tokens)."""
     kl_coef: float = 0.0
     """Weight of KL(policy || reference). > 0 starts the ReferenceModel (frozen copy of the policy after warm-up)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1 = log ratio, k2 = half squared log ratio, k3 = unbiased, >= 0)."""
     kl_mode: Literal["loss", "reward"] = "loss"
     """'loss': kl_coef x per-token KL added to the loss; 'reward': kl_coef x the sequence's summed KL subtracted
     from its reward before advantages."""
@@ -382,8 +404,11 @@ class WarmupConfig:
     """Supervised warm-up on the task's demonstrations before RL (cross-entropy on response tokens)."""
 
     steps: int = 0
+    """Cross-entropy steps on the task's reference answers before RL (rendered like the RL prompts); 0: none."""
     batch_size: int = 32
+    """Sequences per warm-up step."""
     lr: float = 3e-3
+    """Peak learning rate of the warm-up (cosine decay to 10 %)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
@@ -393,46 +418,51 @@ class WarmupConfig:
 
 
 @dataclass
-class TaskConfig:
-    name: Literal["reverse"] = "reverse"
-    """Built-in verifiable task: 'reverse' (reverse a string of letters)."""
-    num_train: int = 2000
-    num_eval: int = 100
-    min_len: int = 2
-    max_len: int = 5
-    alphabet: str = "abcdefgh"
-    seed: int = 1234
-    reward_weights: dict[str, float] = field(default_factory=lambda: {"char_match": 1.0, "exact_match": 0.0})
-    """Reward functions of the task and their weights; the reward is the weighted sum."""
+class EvalConfig:
+    """Held-out evaluation, as RL papers report it: greedy accuracy, and mean@k / pass@k over k samples at the
+    training temperature (pass@k by the unbiased estimator). A completion is correct when the verifier gives it
+    >= 1."""
+
+    every: int = 0
+    """Evaluate every this many RL steps (besides before RL and at the end); 0: only before and after."""
+    samples: int = 0
+    """k: completions sampled per held-out prompt at generator.temperature for mean@k and pass@k; 0: greedy only."""
+    pass_k: tuple[int, ...] = ()
+    """The k's of pass@k reported (each <= eval.samples); empty: 1 and eval.samples."""
+    max_tokens: int | None = None
+    """Completion budget for evaluation; default: generator.max_tokens."""
+    verifier: str | None = None
+    """The reward function that decides correctness; default: the task's own (reverse: exact_match, reasoning_gym:
+    its scorer, data: the first function of --reward)."""
+    seed: int = 0
+    """Seed of the evaluation samples (kept apart from the training RNG, so evaluating never changes a run)."""
 
     def __post_init__(self) -> None:
-        if self.num_train < 1:
-            raise ConfigError(f"task.num_train={self.num_train}: the training set is empty")
-        if self.num_eval < 1:
-            raise ConfigError(f"task.num_eval={self.num_eval}: the held-out set is empty")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ConfigError(f"task: need 1 <= min_len ({self.min_len}) <= max_len ({self.max_len})")
-        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet.isalpha():
-            raise ConfigError(f"task.alphabet={self.alphabet!r} must be distinct letters")
-        if not self.reward_weights:
-            raise ConfigError("task.reward_weights is empty: name at least one reward function")
-        from meshrl.rewards import check_reward_weights
+        if self.every < 0 or self.samples < 0:
+            raise ConfigError(f"eval.every={self.every} and eval.samples={self.samples} must be >= 0")
+        if self.pass_k and not self.samples:
+            raise ConfigError("eval.pass_k needs eval.samples > 0 (k samples per prompt)")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
+        if bad:
+            raise ConfigError(f"eval.pass_k={list(self.pass_k)}: each k must be in [1, eval.samples={self.samples}]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"eval.max_tokens={self.max_tokens} must be >= 1")
 
-        try:
-            check_reward_weights(self.reward_weights)
-        except ValueError as e:
-            raise ConfigError(f"task.reward_weights: {e}") from None
+    @property
+    def ks(self) -> tuple[int, ...]:
+        if not self.samples:
+            return ()
+        return tuple(sorted(set(self.pass_k or (1, self.samples))))
 
 
 @dataclass
 class RunConfig:
     output_dir: str = "runs"
+    """Directory the run directories are made in."""
     name: str | None = None
     """Run directory name under output_dir; default: a timestamp."""
     seed: int = 0
     """Controller seed (prompt order, sampling seeds)."""
-    eval_max_tokens: int | None = None
-    """Completion budget for greedy evaluation; default: generator.max_tokens."""
     call_timeout_s: float = 600.0
     """Longest wait for any one actor call before the run fails instead of hanging."""
     save_every: int = 50
@@ -461,7 +491,20 @@ class GRPORunConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: str | None = None
+    """The RL task: 'reverse' (built-in string reversal), 'data' (prompt rows from --data.train/--data.eval),
+    'reasoning_gym:NAME' (a procedural reasoning-gym task, e.g. countdown), or package.module:function returning a
+    meshrl.tasks.Task. Default: 'data' when --data.train is given, else 'reverse'."""
+    reward: str | None = None
+    """Reward functions and weights, e.g. 'math_verify=1.0,format=0.1' or 'task=1.0,my_pkg.my_mod:fn=0.5': built-in
+    (exact_match, char_match, exact, regex, math_verify, format, length_penalty), 'task' (the task's own verifier),
+    or importable functions fn(completion: str, row: dict) -> float (sync or async). Default: the task's."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -485,14 +528,30 @@ class GRPORunConfig:
                 f"grpo.overlong_buffer={self.grpo.overlong_buffer} must be < generator.max_tokens="
                 f"{self.generator.max_tokens} (the penalty starts at max_tokens - overlong_buffer)"
             )
-        longest_prompt = self.task.max_len + 1  # letters + '='
-        if longest_prompt + self.generator.max_tokens > self.generator.max_model_len:
-            raise ConfigError(
-                f"task prompts are up to {longest_prompt} tokens and generator.max_tokens="
-                f"{self.generator.max_tokens}, which exceeds generator.max_model_len="
-                f"{self.generator.max_model_len}; raise max_model_len to at least "
-                f"{longest_prompt + self.generator.max_tokens}"
-            )
+        check_task(self)
+        if self.task in (None, "reverse") and self.data.train is None and self.model.path is None:
+            # The built-in task on a new model (character tokenizer): prompt lengths are known before launch.
+            longest_prompt = self.reverse.max_len + 1  # letters + '='
+            if longest_prompt + self.generator.max_tokens > self.generator.max_model_len:
+                raise ConfigError(
+                    f"task prompts are up to {longest_prompt} tokens and generator.max_tokens="
+                    f"{self.generator.max_tokens}, which exceeds generator.max_model_len="
+                    f"{self.generator.max_model_len}; raise max_model_len to at least "
+                    f"{longest_prompt + self.generator.max_tokens}"
+                )
+
+
+def check_task(cfg) -> None:
+    """--task / --data / --reward combinations that cannot work, refused before anything starts."""
+    if cfg.data.train is not None and cfg.task not in (None, "data"):
+        raise ConfigError(
+            f"--data.train is given but --task is {cfg.task!r}: data files are the 'data' task; drop --task or "
+            "use --task data"
+        )
+    if cfg.reward is not None:
+        from meshrl.rewards import parse_reward_spec
+
+        parse_reward_spec(cfg.reward)  # raises ConfigError naming the bad item
 
 
 def validate_batch_arithmetic(*, global_batch_size: int, micro_batch_size: int, dp: int, what: str) -> int:
@@ -518,11 +577,15 @@ class SFTDataConfig:
     """A bad row (missing field, wrong type, empty response, too long): stop at load naming the file and row,
     or skip it and count it in the log."""
     prompt_field: str = "prompt"
+    """Field of the prompt text (prompt/response rows)."""
     response_field: str = "response"
+    """Field of the response text (prompt/response rows)."""
     messages_field: str = "messages"
+    """Field of a chat row: a list of {role, content}, the last one the assistant's response."""
     max_seq_len: int | None = None
     """Longest prompt + response in tokens; default: the model's max_position_embeddings."""
     shuffle_seed: int = 0
+    """Seed of the shuffled epochs over the training rows."""
     pack: bool = False
     """Pack several examples into each row (document-masked attention, per-document positions): no compute
     spent on padding when lengths vary. Same loss as unpacked (either trainer backend)."""
@@ -535,6 +598,7 @@ class SFTConfig:
     max_steps: int = 200
     """Optimiser steps (the run also stops at max_epochs)."""
     max_epochs: float | None = None
+    """Stop after this many passes over the training rows (fractions allowed); None: max_steps decides."""
     batch_size: int = 64
     """Sequences per optimiser step (global, split into trainer.micro_batch_size calls)."""
     eval_every: int = 50
@@ -559,7 +623,13 @@ class SFTRunConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: str | None = None
+    """With data.train='task': the task whose demonstrations to train on ('reverse', 'reasoning_gym:NAME', or
+    package.module:function); default 'reverse'."""
+    reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -571,8 +641,39 @@ class SFTRunConfig:
             dp=self.trainer.num_procs,
             what=f"sft.batch_size={self.sft.batch_size}",
         )
+        if self.task == "data":
+            raise ConfigError("SFT reads its own data files: use --data.train FILE (and --data.eval), not --task data")
         if self.model.path is None and (self.data.train != "task" or self.data.eval not in (None, "task")):
             raise ConfigError(
                 "SFT on your own data files needs model.path (an HF checkpoint dir with its tokenizer); only the "
                 "built-in task data (data.train=task) works with a randomly initialised model"
             )
+
+
+@dataclass
+class EvalRunConfig:
+    """`python -m meshrl.controller.eval`: evaluate a checkpoint on a task's held-out rows (no trainer)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    task: str | None = None
+    """As for GRPO: 'reverse', 'data' (--data.eval rows), 'reasoning_gym:NAME' or package.module:function."""
+    reward: str | None = None
+    """Reward functions reported beside accuracy (as for GRPO); default: the task's."""
+    data: DataConfig = field(default_factory=DataConfig)
+    reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    render: RenderConfig = field(default_factory=RenderConfig)
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=8))
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.path is None:
+            raise ConfigError("evaluation needs --model.path: the HF checkpoint dir to evaluate")
+        if self.data.train is not None:
+            raise ConfigError("evaluation reads held-out rows only: use --data.eval, not --data.train")
+        if self.reward is not None:
+            from meshrl.rewards import parse_reward_spec
+
+            parse_reward_spec(self.reward)

@@ -167,7 +167,8 @@ class Policy:
         if longest > self.max_seq_len:
             raise ValueError(
                 f"a sequence of {longest} tokens exceeds the model's limit of {self.max_seq_len} "
-                "(max_position_embeddings); shorten prompts or lower generator.max_tokens"
+                "(its config's context length: max_position_embeddings, GPT-2's n_positions); shorten prompts or lower "
+                "generator.max_tokens"
             )
         vocab = self.backend.vocab_size
         # Every rank checks the whole batch (the same verdict everywhere, before any collective); one rank

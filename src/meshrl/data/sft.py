@@ -1,4 +1,5 @@
-"""Supervised fine-tuning data: JSONL / Parquet files or in-memory lists of rows, in the two common shapes
+"""Supervised fine-tuning data: JSONL / JSON / Parquet files, `datasets` directories or in-memory lists of rows
+(read by meshrl.data.rows), in the two common shapes
 
     {"prompt": "...", "response": "..."}                       (field names configurable)
     {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}
@@ -11,17 +12,14 @@ chooses — so a run never dies half-way through an epoch on a bad row.
 
 from __future__ import annotations
 
-import json
-import random
+import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-
-class BadRowError(ValueError):
-    pass
+from meshrl.data.rows import BadRowError, iter_rows, source_name
+from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
 
 
 @dataclass(frozen=True)
@@ -41,31 +39,6 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self.examples)
-
-
-def iter_rows(source: str | list[dict[str, Any]]) -> Iterator[tuple[int, Any]]:
-    """(1-based row number, row) from a .jsonl / .json / .parquet file or an in-memory list."""
-    if isinstance(source, list):
-        yield from enumerate(source, start=1)
-        return
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"SFT data file {source} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open() as f:
-            for i, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, BadRowError(f"invalid JSON: {e.msg}")
-    else:
-        raise ValueError(f"SFT data {source}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
 
 
 def _text(row: dict, key: str) -> str:
@@ -116,7 +89,7 @@ def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str,
 
 
 def load_sft_dataset(
-    source: str | list[dict[str, Any]],
+    source: str | os.PathLike | Iterable[Mapping[str, Any]],
     tokenizer,
     *,
     max_seq_len: int,
@@ -127,7 +100,7 @@ def load_sft_dataset(
 ) -> SFTDataset:
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'error' or 'skip'")
-    name = "<in-memory list>" if isinstance(source, list) else str(source)
+    name = source_name(source)
     examples, skipped = [], Counter()
     for row_number, row in iter_rows(source):
         try:
@@ -174,41 +147,3 @@ def pack_examples(examples: list[SFTExample], max_len: int) -> list:
         positions.extend(range(n))
     flush()
     return rows
-
-
-class EpochSampler:
-    """Deterministic shuffled passes over `n` examples. The cursor (epoch, offset) and the seed are the whole
-    state: restoring them continues exactly where a run stopped — no example seen twice or skipped."""
-
-    def __init__(self, n: int, *, seed: int, epoch: int = 0, offset: int = 0) -> None:
-        if n < 1:
-            raise ValueError("cannot sample from an empty dataset")
-        self.n, self.seed, self.epoch, self.offset = n, seed, epoch, offset
-        self._order = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next_indices(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.offset == self.n:
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            take = min(k - len(out), self.n - self.offset)
-            out += self._order[self.offset : self.offset + take]
-            self.offset += take
-        return out
-
-    @property
-    def epochs_done(self) -> float:
-        return self.epoch + self.offset / self.n
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
-
-    @classmethod
-    def from_state(cls, n: int, state: dict[str, int]) -> EpochSampler:
-        return cls(n, seed=state["seed"], epoch=state["epoch"], offset=state["offset"])

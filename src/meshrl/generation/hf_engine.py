@@ -1,5 +1,6 @@
 """Generation engine 'transformers': continuous batching over a preallocated KV cache, for any transformers
-causal LM whose attention goes through transformers' attention interface (Llama/Qwen-style models).
+causal LM whose attention goes through transformers' attention interface (Qwen2/Qwen3, Llama, Mistral, GPT-2, ...:
+rotary or learned absolute position embeddings alike, since positions go in as `position_ids`).
 
 Same interface as `VLLMEngine` (`generate`, `prompt_logprobs`, `load_weights`, `max_model_len`, `shutdown`), and
 nothing here imports vLLM or torchtitan, so it runs on the GPU machine's preinstalled torch.
@@ -7,7 +8,8 @@ nothing here imports vLLM or torchtitan, so it runs on the GPU machine's preinst
 How it works:
 - The model is loaded with `attn_implementation="meshrl_kv"`, an attention function registered with
   transformers' `AttentionInterface`: the model's own projections, norms and RoPE run unchanged; only the
-  attention reads and writes our cache. RoPE gets each row's true position through `position_ids`.
+  attention reads and writes our cache. RoPE (or GPT-2's position table) gets each row's true position through
+  `position_ids`; the mask the model passes along is a placeholder (our attention masks by itself).
 - KV cache: one static tensor `[2, layers, slots, kv_heads, max_model_len, head_dim]`, allocated once. A
   running sequence owns one slot. Rows are kept contiguous (a finished row's slot is refilled by a new request
   or, when the queue is empty, by moving the last row into it), so a decode step runs over slots `[0, n)`.
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshrl.models.hf_config import max_positions, stop_token_ids
 from meshrl.types import Completion, SamplingParams
 
 ATTN_NAME = "meshrl_kv"
@@ -464,7 +467,7 @@ class HFEngine:
                 f"{model_dir!r} has no config.json; HFEngine needs an HF-format model directory "
                 "(config.json + *.safetensors), e.g. written by save_pretrained"
             )
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM
 
         _register_attention()
         self.model_dir, self.dtype, self.torch_dtype = model_dir, dtype, _DTYPES[dtype]
@@ -486,9 +489,13 @@ class HFEngine:
                 raise NotImplementedError(f"HFEngine does not apply {attr} (the model's logits are post-processed)")
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self._mask_arg = {"full_attention": None, "sliding_attention": None}  # skips transformers' mask building
+        # The attention mask handed to the decoder: an "already prepared" 4D mask, which transformers' mask
+        # builders (`create_causal_mask` & co.) return as it is, in every model and version, so no mask is built
+        # per forward (our attention function ignores it: it masks by itself). Not the per-layer-type dict that
+        # Qwen2/Qwen3's forward accepts: Llama's and GPT-2's forwards call `.ndim` on the mask they get.
+        self._mask_arg = torch.zeros(1, 1, 1, 1, dtype=self.torch_dtype, device=self.device)
         self.vocab_size = int(cfg.vocab_size)
-        self._max_model_len = min(int(max_model_len), int(cfg.max_position_embeddings))
+        self._max_model_len = min(int(max_model_len), max_positions(cfg))  # GPT-2: n_positions
         self.num_layers = int(cfg.num_hidden_layers)
         heads = int(cfg.num_attention_heads)
         self._heads = heads
@@ -540,13 +547,9 @@ class HFEngine:
         self.graph_failures: list[str] = []
         self.max_prefill_tokens = int(max_prefill_tokens)
         self._rng = random.Random(seed)
-        gen_cfg = None
-        with contextlib.suppress(Exception):
-            gen_cfg = GenerationConfig.from_pretrained(model_dir)
-        eos = getattr(gen_cfg, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(cfg, "eos_token_id", None)
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # Every request stops at these (with its own stop_token_ids): generation_config's eos ids, config's and the
+        # tokenizer's, as `meshrl.models.hf_config.stop_token_ids` unions them.
+        self.eos_ids = frozenset(stop_token_ids(model_dir))
         self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0}
         self.attn_fallback: str | None = None
         self.attn_impl = self._choose_attn(attn_impl)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
+from meshrl.models.hf_config import stop_token_ids
 from meshrl.types import Completion, SamplingParams
 
 # These must be in the environment before vLLM is imported (and read), hence module level, and setdefault so
@@ -60,6 +61,30 @@ def _logprob_of(entry: Mapping[int, Any], token_id: int) -> float:
     return float(entry[token_id].logprob)
 
 
+@contextlib.contextmanager
+def _keep_default_group(group):
+    """An in-process vLLM engine's shutdown destroys the default torch.distributed process group, whoever made it
+    (`cleanup_dist_env_and_memory`): a trainer (or test) in the same process that made it first would lose it.
+    While this is active, destroying `group` (the pre-existing default group) is skipped; vLLM's own groups go."""
+    if group is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def keep_outer(g=None):
+        if g is None or g is group:
+            return
+        destroy(g)
+
+    dist.destroy_process_group = keep_outer
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
 class VLLMEngine:
     """vLLM `LLM` built from an HF-format directory, driven with token ids only.
 
@@ -89,6 +114,10 @@ class VLLMEngine:
             )
         from vllm import LLM  # lazy: see module docstring
 
+        # A default process group that exists before the engine (a trainer's, in the same process) is not vLLM's:
+        # shutdown keeps it (see `shutdown`).
+        self._outer_group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+
         self.model_dir = model_dir
         self.dtype = dtype
         self.torch_dtype = _DTYPES[dtype]
@@ -112,6 +141,9 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self._max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
+        # Every request also stops at the checkpoint's eos ids (generation_config's, config's, the tokenizer's),
+        # as the transformers engine does: without a tokenizer (skip_tokenizer_init) vLLM knows only some of them.
+        self.eos_ids = frozenset(stop_token_ids(model_dir))
 
     # ------------------------------------------------------------------ properties
 
@@ -143,7 +175,7 @@ class VLLMEngine:
             temperature=0.0 if greedy else params.temperature,
             top_p=1.0 if greedy else params.top_p,
             top_k=0 if (greedy or params.top_k == -1) else params.top_k,  # vLLM: 0 disables top-k
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=sorted(self.eos_ids.union(int(t) for t in params.stop_token_ids)),
             seed=None if greedy else seed,
             logprobs=0,  # only the sampled token's logprob
             detokenize=False,
@@ -306,7 +338,7 @@ class VLLMEngine:
         self.llm = None  # type: ignore[assignment]
         engine = getattr(llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
-        with contextlib.suppress(Exception):  # best effort teardown
+        with contextlib.suppress(Exception), _keep_default_group(self._outer_group):  # best effort teardown
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
         del llm, engine, core

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshrl.models import qwen3
+from meshrl.models.hf_config import max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
 
@@ -119,7 +120,7 @@ class HFBackend:
         self.hf_config: dict[str, Any] = qwen3.read_hf_config(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         text = config.get_text_config()
-        self.max_seq_len = int(text.max_position_embeddings)
+        self.max_seq_len = max_positions(text)  # GPT-2: n_positions
         self.vocab_size = int(text.vocab_size)
         self.seed = seed
         with torch.device("meta"):
@@ -153,6 +154,22 @@ class HFBackend:
             if logprob_chunk_size
             else None
         )
+        self.model.eval()  # no dropout, ever: see `_no_dropout`
+
+    # ---- dropout --------------------------------------------------------------------------------------------
+    def _no_dropout(self) -> None:
+        """The model runs in eval mode, in training too. A module built with `from_config` starts in train mode,
+        and models with dropout (GPT-2: 0.1 on embeddings, attention and residuals; any config with
+        `attention_dropout` > 0) would then drop activations in every forward: the trainer's logprobs would not be
+        those of the policy the generator samples from (measured: ~3 nats apart on GPT-2), so importance ratios,
+        KL terms and the reference model's logprobs would all be noise. RL trainers run without dropout (TRL's
+        `disable_dropout` zeroes every dropout probability); eval mode is the one switch that covers every dropout a
+        model has, `nn.Dropout` modules and the functional `dropout=... if self.training` of attention, without
+        touching the config (an export keeps the checkpoint's dropout settings). Gradients are unaffected (eval mode
+        does not disable autograd). Set at the end of `__init__` (after the peft, checkpoint and FSDP wrapping),
+        after `load_hf`, and checked before every forward in case user code called `model.train()`."""
+        if self.model.training:
+            self.model.eval()
 
     # ---- build ----------------------------------------------------------------------------------------------
     def _shard(self, layers: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
@@ -201,6 +218,7 @@ class HFBackend:
 
     # ---- forward --------------------------------------------------------------------------------------------
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        self._no_dropout()
         # Packed rows: transformers reads the documents from `position_ids` when no attention mask is given (a
         # position that does not follow its predecessor starts a document) and masks attention across them.
         return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
@@ -244,9 +262,10 @@ class HFBackend:
                 continue
             out[hf] = t
         if self.lora_config is not None:
-            for prefix, (a, b, scaling) in self._lora_factors(sd).items():
+            for prefix, (a, b, scaling, transposed) in self._lora_factors(sd).items():
                 w = out[f"{prefix}.weight"]
-                out[f"{prefix}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+                delta = scaling * (b.float() @ a.float())  # [out, in]
+                out[f"{prefix}.weight"] = (w.float() + (delta.T if transposed else delta)).to(w.dtype)
         return out
 
     def _live_state_dict(self) -> dict[str, torch.Tensor]:
@@ -262,19 +281,27 @@ class HFBackend:
             self._live_params = live
         return {hf: (t._local_tensor if isinstance(t, DTensor) else t).detach() for hf, t in self._live_params}
 
-    def _lora_factors(self, sd: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    def _lora_factors(self, sd: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]]:
+        """{module's checkpoint name: (A, B, scaling, transposed)} of every active adapter. `transposed`: the base
+        weight is stored [in, out] (GPT-2's `Conv1D`; peft's `fan_in_fan_out`), so the delta B @ A goes in as its
+        transpose."""
         from peft.tuners.lora import LoraLayer
 
         factors = {}
         for mod_name, m in self.model.named_modules():
             if not isinstance(m, LoraLayer):
                 continue
-            if not isinstance(m.get_base_layer(), nn.Linear):
-                raise NotImplementedError(f"LoRA merge supports nn.Linear targets only, not {type(m).__name__}")
+            base = m.get_base_layer()
+            if not isinstance(base, nn.Linear) and type(base).__name__ != "Conv1D":
+                raise NotImplementedError(
+                    f"LoRA merge supports linear layers (nn.Linear, GPT-2's Conv1D) only, not {type(base).__name__} "
+                    f"({mod_name}); name linear modules in model.lora_target_modules"
+                )
+            transposed = bool(getattr(m, "fan_in_fan_out", False)) or type(base).__name__ == "Conv1D"
             for adapter in m.active_adapters:
                 a = sd[f"{mod_name}.lora_A.{adapter}.weight"]
                 b = sd[f"{mod_name}.lora_B.{adapter}.weight"]
-                factors[self._hf_name(mod_name + ".")[:-1]] = (a, b, float(m.scaling[adapter]))
+                factors[self._hf_name(mod_name + ".")[:-1]] = (a, b, float(m.scaling[adapter]), transposed)
         return factors
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -353,6 +380,7 @@ class HFBackend:
                 _copy_full(param, ckpt[self._hf_name(name)])
         if self.lora_config is not None:
             self.reset_adapters()
+        self._no_dropout()
 
     def reset_adapters(self) -> None:
         """LoRA's initialisation, the same on every rank (seeded): A ~ kaiming-uniform, B = 0."""

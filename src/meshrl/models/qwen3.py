@@ -12,10 +12,13 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from meshrl.models.hf_config import max_positions
 
 # The HF config of the 'tiny' CPU flavor; vocab_size comes from the task's tokenizer.
 TINY_HF_CONFIG: dict[str, Any] = dict(
@@ -88,7 +91,12 @@ def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
     )
 
     if hf.get("model_type") not in (None, "qwen3"):
-        raise ValueError(f"model_type {hf.get('model_type')!r} is not Qwen3; the torchtitan backend loads Qwen3 only")
+        from meshrl.errors import ConfigError
+
+        raise ConfigError(
+            f"model.backend='torchtitan' loads Qwen3 checkpoints only; this is a {hf.get('model_type')!r} model: "
+            "use --model.backend hf"
+        )
     dim, vocab = hf["hidden_size"], hf["vocab_size"]
     head_dim = hf.get("head_dim") or dim // hf["num_attention_heads"]
     cfg = Qwen3Model.Config(
@@ -109,7 +117,7 @@ def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
             # Separate wq/wk/wv: DCP's full-state-dict loading cannot copy into the fused wqkv parameter
             # (its state-dict hooks split it, so the names do not match a parameter).
             fuse_qkv=False,
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=_rope_theta(hf)),
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_positions(hf), theta=_rope_theta(hf)),
         ),
     )
     if attn_backend == "sdpa":
@@ -157,45 +165,63 @@ def hf_to_titan(hf_state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, 
     return Qwen3StateDictAdapter(titan_cfg, None).from_hf(dict(hf_state_dict))
 
 
-def save_hf_checkpoint(
-    path: str | os.PathLike,
-    hf_state_dict: dict[str, torch.Tensor],
-    hf_config: dict[str, Any],
-    *,
-    tokenizer_dir: str | os.PathLike | None = None,
-    tokenizer=None,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write an HF checkpoint atomically: everything goes to a temp dir beside `path`, which is renamed into
-    place only when complete — a crash leaves either the old checkpoint or none, never a partial one."""
-    from safetensors.torch import save_file
+# Tokenizer-side files of a checkpoint: copied verbatim into exports (the chat template included: transformers 5
+# writes it to chat_template.jinja, older versions to chat_template.json or inside tokenizer_config.json).
+TOKENIZER_FILES = (
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
+
+def is_tokenizer_file(name: str) -> bool:
+    """tokenizer.json, tokenizer_config.json, tokenizer.model (sentencepiece), the BPE vocab/merges, special tokens
+    and chat templates."""
+    return name.startswith("tokenizer") or name in TOKENIZER_FILES or name.endswith(".tiktoken")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def make_readable(root: str | os.PathLike) -> None:
+    """Give a freshly written checkpoint tree the modes of an ordinary `mkdir` / `open`: `mkdtemp` makes its
+    directory 0700 and some writers leave 0600 files, which other users (and a serving process running as another
+    user) cannot read. Directories 0777 & ~umask, files 0666 & ~umask: 0755 / 0644 under the default umask 022."""
+    mask = _umask()
+    root = Path(root)
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a temp dir beside `path` to write a checkpoint into; on success it gets ordinary modes
+    (`make_readable`) and is renamed to `path` (replacing an existing one), on failure it is removed: a crash
+    leaves either the old directory or none, never a partial one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        tensors = {
-            k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_state_dict.items()
-        }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        cfg = dict(hf_config)
-        cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        from transformers import GenerationConfig
-
-        GenerationConfig(
-            **{k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
-        ).save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        elif tokenizer_dir is not None:
-            for f in Path(tokenizer_dir).iterdir():
-                if f.name.startswith("tokenizer") or f.name in (
-                    "special_tokens_map.json",
-                    "vocab.json",
-                    "merges.txt",
-                ):
-                    shutil.copy2(f, tmp / f.name)
+        yield tmp
+        make_readable(tmp)
         old = None
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -206,7 +232,62 @@ def save_hf_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
+
+
+def _source_generation_eos(source_dir: str | os.PathLike | None) -> Any:
+    """The source checkpoint's generation_config.json `eos_token_id` (an int or a list), or None."""
+    if source_dir is None:
+        return None
+    f = Path(source_dir) / "generation_config.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+
+
+def save_hf_checkpoint(
+    path: str | os.PathLike,
+    hf_state_dict: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF checkpoint atomically: everything goes to a temp dir beside `path`, which is renamed into
+    place only when complete — a crash leaves either the old checkpoint or none, never a partial one.
+
+    `tokenizer_dir` (the checkpoint the weights came from): every tokenizer file of it is copied (tokenizer*.json,
+    vocab/merges, special tokens, the chat template), so the export is a complete model for transformers, vLLM and
+    chat use; its generation_config.json's `eos_token_id` (often a list: Qwen's `<|im_end|>` and `<|endoftext|>`) is
+    kept in the fresh generation_config.json. `tokenizer`: an object with `save_pretrained` instead.
+    Modes: 0755 directory, 0644 files (under umask 022)."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(path) as tmp:
+        tensors = {
+            k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu() for k, v in hf_state_dict.items()
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(hf_config)
+        cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        from transformers import GenerationConfig
+
+        gen = {k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
+        src_eos = _source_generation_eos(tokenizer_dir)
+        if src_eos is not None:
+            gen["eos_token_id"] = src_eos
+        GenerationConfig(**gen).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        elif tokenizer_dir is not None:
+            for f in Path(tokenizer_dir).iterdir():
+                if f.is_file() and is_tokenizer_file(f.name):
+                    shutil.copyfile(f, tmp / f.name)  # contents only: the modes are set for the whole tree
+    return Path(path)
 
 
 def build_model_on_meta(titan_cfg) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshrl.models import qwen3
+from meshrl.models.hf_config import check_backend_supports, max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
 
@@ -97,9 +98,10 @@ class TorchtitanBackend:
             raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
         self.device, self.attn_backend = device, attn_backend
         self.activation_checkpointing, self.compile = activation_checkpointing, compile
+        check_backend_supports(model_dir, "torchtitan")  # a clear ConfigError for a Llama/GPT-2/... checkpoint
         self.hf_config = qwen3.read_hf_config(model_dir)
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
-        self.max_seq_len = int(self.hf_config["max_position_embeddings"])
+        self.max_seq_len = max_positions(self.hf_config)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.model = self._build_fsdp_model(param_dtype, master_dtype)
         self.logprob_head = (

@@ -1,0 +1,215 @@
+"""A task made ready for a run: the model it trains, its splits rendered once with the model's tokenizer, and the
+reward functions that judge it — everything checked before any actor process starts.
+
+    task = build_task(cfg, train_rows=rows)
+    model_dir = ensure_model(cfg.model, cfg.reverse, task, run_dir)
+    setup = TaskSetup.prepare(cfg, task, model_dir)
+    setup.train.prompt_ids[i], setup.train.views[i]        # what the generators and verifiers get
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshrl.errors import ConfigError
+from meshrl.render import Renderer
+from meshrl.tasks.base import Row, Task
+
+
+@dataclass
+class PromptSet:
+    """One split of a task, rendered once: prompt ids and verifier views per row. Prompts over the token budget
+    are dropped and counted (never truncated: a cut prompt asks a different question)."""
+
+    rows: list[Row]
+    prompt_ids: list[list[int]]
+    views: list[dict[str, Any]]
+    dropped: int = 0
+    budget: int = 0
+
+    @classmethod
+    def render(cls, rows: Sequence[Row], renderer: Renderer, budget: int, what: str) -> PromptSet:
+        kept, ids, dropped = [], [], 0
+        for i, row in enumerate(rows):
+            try:
+                prompt = renderer.prompt_ids(row)
+            except Exception as e:  # noqa: BLE001 - a template that cannot render a row: name the row
+                raise ValueError(f"{what} row {i + 1}: cannot render its prompt: {e}") from e
+            if len(prompt) > budget:
+                dropped += 1
+                continue
+            kept.append(row)
+            ids.append(prompt)
+        if not kept:
+            raise ConfigError(
+                f"every one of the {len(rows)} {what} prompts is longer than the {budget}-token prompt budget "
+                "(generator.max_model_len - generator.max_tokens); raise --generator.max-model-len"
+            )
+        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def describe(self, what: str) -> str:
+        note = f", {self.dropped} dropped (prompt over {self.budget} tokens)" if self.dropped else ""
+        return f"{what}: {len(self)} prompts{note}"
+
+
+def reward_weights(
+    spec: str, task: Task, reward_fns: Mapping[str, Callable] | None = None
+) -> tuple[dict[str, float], dict[str, Callable]]:
+    """(name -> weight, name -> callable) from a reward spec, 'task' meaning the task's own verifier. Functions
+    given from Python (`reward_fns`) join with weight 1.0 unless the spec weighs them."""
+    from meshrl.rewards import parse_reward_spec
+
+    weights: dict[str, float] = {}
+    for name, w in parse_reward_spec(spec).items():
+        if name == "task":
+            if not task.verifier:
+                raise ConfigError(
+                    f"--reward names 'task', but task {task.name!r} has no verifier of its own; name a reward "
+                    "function instead (e.g. math_verify, exact, or package.module:function)"
+                )
+            name = task.verifier
+        weights[name] = weights.get(name, 0.0) + w
+    fns = dict(reward_fns or {})
+    for name in fns:
+        weights.setdefault(name, 1.0)
+    return weights, fns
+
+
+@dataclass
+class TaskSetup:
+    """What a run needs from its task, ready: renderer, rendered splits, reward functions and the verifier."""
+
+    task: Task
+    renderer: Renderer
+    train: PromptSet
+    eval: PromptSet
+    rewards: Any  # meshrl.rewards.RewardSet
+    verifier: str  # the reward function whose value >= 1 marks a completion correct
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def prepare(
+        cls,
+        cfg: Any,
+        task: Task,
+        model_dir: str | Path,
+        *,
+        reward_fns: Mapping[str, Callable] | None = None,
+        eval_max_tokens: int | None = None,
+        trains: bool = True,
+    ) -> TaskSetup:
+        """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval sections.
+        `trains`: a trainer will load the model (its backend must support the architecture)."""
+        from meshrl.models.hf_config import check_backend_supports
+        from meshrl.rewards import RewardSet
+
+        if trains:
+            check_backend_supports(str(model_dir), cfg.model.backend)
+        renderer = Renderer.from_model_dir(model_dir, cfg.render)
+        check_tokenizer_fits(renderer, model_dir)
+        given = getattr(cfg, "reward", None)  # SFT runs evaluate with the task's own rewards
+        spec = given or task.reward
+        if given is None and reward_fns:
+            spec = ""  # functions given from Python replace the task's default rewards
+        weights, fns = reward_weights(spec, task, reward_fns) if spec else reward_weights("", task, reward_fns)
+        eval_cfg = getattr(cfg, "eval", None)
+        verifier = (eval_cfg.verifier if eval_cfg is not None else None) or task.verifier or next(iter(weights))
+        if verifier == "task":
+            verifier = task.verifier
+        weights.setdefault(verifier, 0.0)  # measured on every sample (accuracy), weighs nothing unless named
+        rewards = RewardSet(weights, cfg.scoring, fns=fns)
+        gen = cfg.generator
+        return cls.build(
+            task,
+            renderer,
+            rewards,
+            verifier,
+            train_budget=gen.max_model_len - gen.max_tokens,
+            eval_budget=gen.max_model_len - (eval_max_tokens or gen.max_tokens),
+        )
+
+    @classmethod
+    def build(
+        cls, task: Task, renderer: Renderer, rewards: Any, verifier: str, *, train_budget: int, eval_budget: int
+    ) -> TaskSetup:
+        """From parts made by hand (`prepare` makes them from a run config): renders both splits."""
+        train = PromptSet.render(task.train, renderer, train_budget, "train")
+        held_out = PromptSet.render(task.eval, renderer, eval_budget, "eval")
+        notes = [train.describe("train"), held_out.describe("eval")]
+        notes += [f"skipped bad rows, {reason}: {n}" for reason, n in task.skipped.items()]
+        return cls(task, renderer, train, held_out, rewards, verifier, notes)
+
+    def describe_rewards(self) -> str:
+        return ", ".join(f"{name}={weight:g}" for name, weight in self.rewards.weights.items())
+
+    def demonstrations(self, max_len: int) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+        """(train indices with a demonstration that fits in `max_len` tokens, their (prompt ids, response ids))
+        for a supervised warm-up."""
+        keep, demos = [], []
+        for i, (row, prompt) in enumerate(zip(self.train.rows, self.train.prompt_ids, strict=True)):
+            if row.answer is None:
+                continue
+            response = self.renderer.encode(self.task.demonstration(row)) + [self.renderer.eos_id]
+            if len(prompt) + len(response) <= max_len:
+                keep.append(i)
+                demos.append((prompt, response))
+        if not keep:
+            raise ConfigError(
+                f"task {self.task.name!r}: no training row has a reference answer that fits in {max_len} tokens "
+                "with its prompt, so there is nothing to warm up on; set --warmup.steps 0"
+            )
+        return keep, demos
+
+
+def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
+    """A tokenizer whose ids run past the model's vocabulary belongs to another model: refuse at launch."""
+    from meshrl.models.qwen3 import read_hf_config
+
+    hf = read_hf_config(model_dir)
+    vocab = hf.get("vocab_size")
+    n = len(renderer.tokenizer)
+    if isinstance(vocab, int) and n > vocab:
+        raise ConfigError(
+            f"the tokenizer in {model_dir} has {n} tokens but the model's vocabulary has {vocab}: they belong to "
+            "different models. Put the model's own tokenizer files next to its weights"
+        )
+
+
+def ensure_model(cfg: Any, task: Task | None, run_path: Path) -> str:
+    """The checkpoint a run starts from: `cfg.model.path`, or a new random model of `cfg.model.flavor` written into
+    the run directory with `new_model_tokenizer` (a resumed run finds it there already)."""
+    model_cfg = cfg.model
+    if model_cfg.path is not None:
+        if not Path(model_cfg.path, "config.json").is_file():
+            raise ConfigError(
+                f"--model.path {model_cfg.path}: no config.json there; give an HF checkpoint directory "
+                "(config.json, weights, tokenizer files)"
+            )
+        return str(model_cfg.path)
+    model_dir = run_path / "base_model"
+    if not (model_dir / "config.json").exists():
+        from meshrl.models.qwen3 import create_random_checkpoint
+
+        tokenizer = new_model_tokenizer(cfg, task)
+        create_random_checkpoint(model_dir, flavor=model_cfg.flavor, tokenizer=tokenizer, seed=model_cfg.seed)
+    return str(model_dir)
+
+
+def new_model_tokenizer(cfg: Any, task: Task | None) -> Any:
+    """The tokenizer a new random model is made with: the reverse task's characters, or for any other task a
+    byte-level BPE of `cfg.model.bpe_vocab_size` tokens trained on the task's own rows, with a ChatML template."""
+    if task is None or task.name == "reverse":
+        return cfg.reverse.tokenizer()
+    from meshrl.tokenizer import train_bpe_tokenizer
+
+    def text(prompt: Any) -> str:
+        return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+
+    texts = [text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer]
+    return train_bpe_tokenizer(texts, vocab_size=cfg.model.bpe_vocab_size)
