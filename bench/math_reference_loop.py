@@ -45,13 +45,16 @@ def _math_verify_direct(completion: str, row: dict) -> float:
     return float(bool(gold) and bool(pred) and verify(gold, pred))
 
 
-def reward_fn():
-    try:
-        from meshrl.rewards import REWARD_FNS
+def reward_fn(impl: str = "auto"):
+    fn = None
+    if impl != "direct":
+        try:
+            from meshrl.rewards import REWARD_FNS
 
-        fn = REWARD_FNS.get("math_verify")
-    except ImportError:
-        fn = None
+            fn = REWARD_FNS.get("math_verify")
+        except Exception:  # noqa: BLE001 - fall back to math_verify itself
+            if impl == "meshrl":
+                raise
     if fn is None:
         return _math_verify_direct, "math_verify (direct)"
     return fn, "meshrl.rewards.math_verify"
@@ -60,7 +63,10 @@ def reward_fn():
 def score(fn, completion: str, row: dict) -> float:
     key = (completion, row["answer"])
     if key not in _CACHE:
-        _CACHE[key] = float(fn(completion, row))
+        try:
+            _CACHE[key] = float(fn(completion, row))
+        except Exception:  # noqa: BLE001 - the reward processes count a failing reward as 0
+            _CACHE[key] = 0.0
     return _CACHE[key]
 
 
@@ -100,11 +106,11 @@ def sample(model, prompts: list[list[int]], *, max_tokens: int, temperature: flo
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
     for idx in by_len.values():
-        ids = torch.tensor([prompts[i] for i in idx])
+        ids = torch.tensor([prompts[i] for i in idx], device=model.device)
         res = model(ids, use_cache=True)
         cache, logits = res.past_key_values, res.logits[:, -1]
         toks = []
-        done = torch.zeros(len(idx), dtype=torch.bool)
+        done = torch.zeros(len(idx), dtype=torch.bool, device=model.device)
         for _ in range(max_tokens):
             if temperature == 0:
                 nxt = logits.argmax(-1)
@@ -126,8 +132,8 @@ def sample(model, prompts: list[list[int]], *, max_tokens: int, temperature: flo
 def token_logprobs(model, seqs: list[list[int]], starts: list[int], pad: int):
     """Per-token logprobs of every sequence from position `start` on (right-padded batch) and the loss mask."""
     width = max(map(len, seqs))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    mask = torch.zeros(len(seqs), width - 1)
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=model.device)
+    mask = torch.zeros(len(seqs), width - 1, device=model.device)
     for i, (s, st) in enumerate(zip(seqs, starts, strict=True)):
         mask[i, st - 1 : len(s) - 1] = 1.0
     logits = model(ids).logits[:, :-1].float()
@@ -179,11 +185,13 @@ def main() -> None:
     g = ap.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="model init, batches and sampling")
     g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--device", default="cpu", help="cpu (what the preset runs on) or cuda (faster sweeps)")
+    g.add_argument("--reward-impl", choices=("auto", "meshrl", "direct"), default="auto")
     g.add_argument("--out", default="", help="append the result as one JSON line here")
     g.add_argument("--tag", default="")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
 
     task = build_arithmetic_task(
         ArithmeticConfig(
@@ -213,16 +221,16 @@ def main() -> None:
     demos = [tok(r.answer, add_special_tokens=False)["input_ids"] + [eos] for r in task.train]
     train_views = [r.verifier_view() for r in task.train]
     eval_views = [r.verifier_view() for r in task.eval]
-    fn, fn_name = reward_fn()
+    fn, fn_name = reward_fn(a.reward_impl)
     eval_max_tokens = a.eval_max_tokens or a.max_tokens
     longest_demo = max(map(len, demos))
     if longest_demo > a.max_tokens:
         print(f"WARNING: the longest demonstration is {longest_demo} tokens > --max-tokens {a.max_tokens}")
 
-    model = build_model(tok, layers=a.layers, hidden=a.hidden, seed=a.seed)
+    model = build_model(tok, layers=a.layers, hidden=a.hidden, seed=a.seed).to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
     rng = random.Random(a.seed)
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator(a.device).manual_seed(a.seed)
     eval_gen_seed = 10_000 + a.seed
     print(
         f"task: {len(task.train)} train / {len(task.eval)} held-out, e.g. {task.train[0].prompt!r} -> "
@@ -231,16 +239,17 @@ def main() -> None:
         f"params {n_params:,}; reward {fn_name}",
         flush=True,
     )
-    timing = {"warmup": 0.0, "rl": 0.0, "eval": 0.0}
+    timing = {"warmup": 0.0, "rl": 0.0, "eval": 0.0}  # wall seconds per phase
+    cpu = {"warmup": 0.0, "rl": 0.0, "eval": 0.0}  # this process's CPU seconds (= wall on an idle machine, 1 thread)
 
     def evaluate(step: int) -> dict:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model.eval()
         greedy = texts_of(tok, sample(model, eval_prompts, max_tokens=eval_max_tokens, temperature=0.0, eos=eos), eos)
         rec = {"step": step, "greedy": greedy_accuracy([score(fn, t, v) >= 1 for t, v in zip(greedy, eval_views)])}
         if a.eval_samples:
             k = a.eval_samples
-            egen = torch.Generator().manual_seed(eval_gen_seed)
+            egen = torch.Generator(a.device).manual_seed(eval_gen_seed)
             comps = sample(
                 model,
                 [p for p in eval_prompts for _ in range(k)],
@@ -254,6 +263,7 @@ def main() -> None:
             rec.update(summarize(correct, (1, k)))
         rec["example"] = [task.eval[0].prompt, greedy[0]]
         timing["eval"] += time.perf_counter() - t0
+        cpu["eval"] += time.process_time() - c0
         rec["wall"] = time.perf_counter() - t_start
         return rec
 
@@ -282,13 +292,14 @@ def main() -> None:
         opt.step()
         return loss.item()
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = float("nan")
     for step in range(a.warmup_steps):
         # the trainer's schedule: cosine from the peak to 10 % (meshrl.schedule.lr_at, min_lr_ratio=0.1)
         lr = a.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.warmup_steps)))
         loss = sft_step(lr)
     timing["warmup"] = time.perf_counter() - t0
+    cpu["warmup"] = time.process_time() - c0
     curve = [evaluate(0)]
     print(f"warm-up {a.warmup_steps} steps (loss {loss:.3f}, {timing['warmup']:.0f}s): {fmt(curve[0])}", flush=True)
     print(f"   e.g. {curve[0]['example']}", flush=True)
@@ -296,7 +307,7 @@ def main() -> None:
     rewards_per_step: list[float] = []
     lengths: list[float] = []
     for step in range(a.rl_steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if a.mode == "sft":
             rewards_per_step.append(-sft_step(a.lr))
         else:
@@ -308,7 +319,9 @@ def main() -> None:
             model.eval()
             comps = sample(model, prompts, max_tokens=a.max_tokens, temperature=a.temperature, eos=eos, gen=gen)
             rewards = [score(fn, t, v) for t, v in zip(texts_of(tok, comps, eos), views, strict=True)]
-            adv = torch.tensor(compute_advantages(a.advantage, rewards, a.group), dtype=torch.float32)
+            adv = torch.tensor(
+                compute_advantages(a.advantage, rewards, a.group), dtype=torch.float32, device=model.device
+            )
             model.train()
             lp, mask = token_logprobs(
                 model, [p + c for p, c in zip(prompts, comps, strict=True)], list(map(len, prompts)), pad
@@ -322,6 +335,7 @@ def main() -> None:
             rewards_per_step.append(statistics.fmean(rewards))
             lengths.append(statistics.fmean(map(len, comps)))
         timing["rl"] += time.perf_counter() - t0
+        cpu["rl"] += time.process_time() - c0
         if (step + 1) % a.eval_every == 0 or step + 1 == a.rl_steps:
             curve.append(evaluate(step + 1))
             what = "reward" if a.mode == "rl" else "-loss"
@@ -347,7 +361,9 @@ def main() -> None:
         after={k: v for k, v in after.items() if k != "example"},
         curve=[{k: v for k, v in c.items() if k != "example"} for c in curve],
         timing=timing,
+        cpu_timing=cpu,
         seconds=time.perf_counter() - t_start,
+        cpu_seconds=time.process_time() - cpu_start,
     )
     print(f"\n| step | greedy | mean@{a.eval_samples} | pass@{a.eval_samples} | wall s |\n| --- | --- | --- | --- | --- |")
     for c in curve:
@@ -363,7 +379,8 @@ def main() -> None:
             if a.eval_samples
             else ""
         )
-        + f"; {result['seconds']:.0f}s (warm-up {timing['warmup']:.0f}, rl {timing['rl']:.0f}, eval {timing['eval']:.0f})"
+        + f"; {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s cpu "
+        + f" (cpu: warm-up {cpu['warmup']:.0f}, rl {cpu['rl']:.0f}, eval {cpu['eval']:.0f})"
     )
     if a.out:
         with open(a.out, "a") as f:

@@ -29,15 +29,16 @@ import cloudpickle
 _RS = None  # this worker process's RewardSet
 
 
-def _init_worker(pickled: bytes) -> None:
+def _init_worker(pickled: bytes, ready) -> None:
     global _RS
     _RS = cloudpickle.loads(pickled)
-    warm = make_batch(16, 8, seed=-1)  # imports sympy and math_verify here, outside the timed batches
+    warm = make_batch(64, 2, seed=-1)  # imports sympy, math_verify and their lazy parts here, outside the timing
     _RS.score(warm[0], warm[1])
+    ready.wait()
 
 
-def _score(chunk: tuple[list[str], list[dict]]) -> list[float]:
-    return [s.reward for s in _RS.score(*chunk)]
+def _score(chunk: tuple[list[str], list[dict]]) -> list[tuple[float, dict[str, str]]]:
+    return [(s.reward, s.failures) for s in _RS.score(*chunk)]
 
 
 def make_batch(n: int, group: int, seed: int) -> tuple[list[str], list[dict], list[float]]:
@@ -69,16 +70,22 @@ def run_config(threads: int, procs: int, batches: list) -> dict:
 
     pickled = cloudpickle.dumps(RewardSet({"math_verify": 1.0}, ScoringConfig(num_threads=threads)))
     times = []
-    with mp.get_context("spawn").Pool(procs, initializer=_init_worker, initargs=(pickled,)) as pool:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Barrier(procs + 1)  # Pool() returns before its workers have started: time none of that
+    with ctx.Pool(procs, initializer=_init_worker, initargs=(pickled, ready)) as pool:
+        ready.wait(timeout=300)
         for completions, rows, expected in batches:
             step = -(-len(completions) // procs)
             chunks = [(completions[i : i + step], rows[i : i + step]) for i in range(0, len(completions), step)]
             t0 = time.perf_counter()
             got = [x for part in pool.map(_score, chunks, chunksize=1) for x in part]
             times.append(time.perf_counter() - t0)
-            if got != expected:
-                bad = sum(g != e for g, e in zip(got, expected, strict=True))
-                raise AssertionError(f"threads={threads} procs={procs}: {bad} rewards differ from the known answers")
+            bad = [(c, f) for (r, f), e, c in zip(got, expected, completions, strict=True) if r != e]
+            if bad:
+                raise AssertionError(
+                    f"threads={threads} procs={procs}: {len(bad)} rewards differ from the known answers, e.g. "
+                    f"{bad[0][0]!r} (failures: {bad[0][1]})"
+                )
     n = len(batches[0][0])
     return {"threads": threads, "procs": procs, "seconds": times, "samples_per_s": n / statistics.median(times)}
 
@@ -93,6 +100,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/scoring.json")
     args = ap.parse_args()
 
+    load_before = os.getloadavg()[0]  # other jobs on the machine skew every row: keep it beside the numbers
     results = []
     for procs in map(int, args.procs.split(",")):
         for threads in map(int, args.threads.split(",")):
@@ -112,13 +120,21 @@ def main() -> None:
         "samples": args.samples,
         "group": args.group,
         "repeats": args.repeats,
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()},
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
+        },
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
-    print(f"\nmath_verify scoring, {args.samples} samples, {args.group} per gold, median of {args.repeats}")
+    print(
+        f"\nmath_verify scoring, {args.samples} samples, {args.group} per gold, median of {args.repeats}, "
+        f"{os.cpu_count()} CPUs, load {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'procs':>5} {'threads':>7} {'samples/s':>10} {'vs 1t/1p':>9}")
     for r in results:
         print(f"{r['procs']:>5} {r['threads']:>7} {r['samples_per_s']:>10.0f} {r['ratio_vs_1t1p']:>8.2f}x")

@@ -58,5 +58,15 @@ def tiny_reverse_sft() -> SFTRunConfig:
     )
 
 
-PRESETS = {"tiny-reverse": tiny_reverse}
-SFT_PRESETS = {"tiny-reverse-sft": tiny_reverse_sft}
+def default() -> GRPORunConfig:
+    """The config dataclasses' own defaults: for your own model, task and flags (python -m meshrl.controller.grpo)."""
+    return GRPORunConfig()
+
+
+def default_sft() -> SFTRunConfig:
+    """The config dataclasses' own defaults."""
+    return SFTRunConfig()
+
+
+PRESETS = {"default": default, "tiny-reverse": tiny_reverse}
+SFT_PRESETS = {"default": default_sft, "tiny-reverse-sft": tiny_reverse_sft}

@@ -19,14 +19,16 @@ def parse_run_config(
     description: str | None = None,
     argv: list[str] | None = None,
     presets: dict | None = None,
-    default_preset: str = "tiny-reverse",
+    default_preset: str = "default",
 ) -> T:
+    """tyro over `cls`, starting from `--preset NAME` (the last one given wins; default: `default_preset`, the
+    dataclasses' own defaults). `--help` lists the presets."""
     if presets is None:
         from meshrl.configs import PRESETS as presets
 
     args = list(sys.argv[1:] if argv is None else argv)
     preset = default_preset
-    if "--preset" in args:
+    while "--preset" in args:
         i = args.index("--preset")
         if i + 1 >= len(args):
             sys.exit(f"--preset needs a name: {sorted(presets)}")
@@ -34,15 +36,22 @@ def parse_run_config(
         del args[i : i + 2]
     if preset not in presets:
         sys.exit(f"unknown preset {preset!r}; presets: {sorted(presets)}")
+    listing = "\n".join(f"  {name}: {_first_line(fn)}" for name, fn in presets.items())
     try:
         return tyro.cli(
             cls,
             default=presets[preset](),
             args=args,
-            description=f"{description or ''}\nStarting from preset {preset!r}.",
+            description=f"{description or ''}\nPresets (--preset NAME; flags after it override it):\n{listing}\n"
+            f"Starting from preset {preset!r}.",
         )
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def _first_line(fn: object) -> str:
+    doc = (getattr(fn, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else ""
 
 
 def stop_on_sigterm() -> None:

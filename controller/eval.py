@@ -18,6 +18,7 @@ from meshrl.config import EvalRunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.grpo import describe_eval
 from meshrl.controller.steps import evaluate
+from meshrl.errors import ConfigError
 from meshrl.run_dir import RunDir
 from meshrl.tasks import Row, build_data_task, build_task
 from meshrl.tasks.setup import TaskSetup
@@ -29,6 +30,8 @@ def main(
     eval_rows: Sequence[dict | Row] | None = None,
     reward_fns: Mapping[str, Callable] | None = None,
 ) -> dict:
+    if cfg.model.path is None:
+        raise ConfigError("evaluation needs --model.path: the HF checkpoint dir to evaluate")
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     if cfg.task in (None, "data") and (eval_rows is not None or cfg.data.eval is not None):
         # Held-out rows only: they stand in for the data task's training rows too (nothing trains here).
@@ -67,6 +70,7 @@ def main(
 
 if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config, stop_on_sigterm
+    from meshrl.data.rows import BadRowError
 
     stop_on_sigterm()
     try:
@@ -75,5 +79,7 @@ if __name__ == "__main__":
                 EvalRunConfig, description=__doc__, presets={"default": EvalRunConfig}, default_preset="default"
             )
         )
+    except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts
+        sys.exit(f"config error: {e}" if isinstance(e, ConfigError) else f"data error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

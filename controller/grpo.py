@@ -122,6 +122,7 @@ def rl_step(
         "reward_trained_mean": statistics.fmean(rewards),  # the trained groups, after shaping
         "accuracy_sampled": statistics.fmean(batch.correct),  # the verifier's verdict on every sample
         "reward_failures": sum(batch.reward_failures.values()),  # verifier errors / timeouts (scored 0)
+        **{f"reward/{name}": statistics.fmean(values) for name, values in batch.reward_parts.items()},
         **({"reward_failures_by_kind": dict(batch.reward_failures)} if batch.reward_failures else {}),
         "loss": sum(r.loss for r in results),
         "grad_norm": opt.grad_norm,
@@ -225,7 +226,7 @@ def main(
         if resumed := ckpts.restore(ctl):
             start, before, ref_dir = resumed["step"], resumed["before_rl"], resumed["reference_model"]
             set_rng_state(rng, resumed["rng"])
-            sampler = EpochSampler.from_state(len(setup.train), resumed["sampler"])
+            sampler = restore_sampler(resumed, len(setup.train))
             ctl.sync_weights()  # the generators sample from the resumed weights
         else:
             start = 0
@@ -256,7 +257,7 @@ def main(
         def checkpoint_state() -> dict:
             return {
                 "rng": rng_state(rng),
-                "sampler": sampler.state(),
+                "sampler": {**sampler.state(), "num_prompts": len(setup.train)},
                 "before_rl": before,
                 "reference_model": ref_dir,
                 "warmup_done": True,
@@ -313,6 +314,18 @@ def main(
     return summary
 
 
+def restore_sampler(state: dict, num_prompts: int) -> EpochSampler:
+    """The checkpointed data cursor, refused if the training prompts changed since (it would index other rows)."""
+    saved = state["sampler"]
+    if saved.get("num_prompts", num_prompts) != num_prompts:
+        raise RuntimeError(
+            f"the checkpoint's data cursor was taken over {saved['num_prompts']} training prompts, but this run has "
+            f"{num_prompts}: the data (or --data.*, --generator.max-model-len) changed; resume with the run's own "
+            "data and flags"
+        )
+    return EpochSampler.from_state(num_prompts, saved)
+
+
 def describe_eval(record: dict) -> str:
     """'greedy accuracy 0.365, mean@8 0.301, pass@1 0.301, pass@8 0.640'"""
     parts = [f"greedy accuracy {record['accuracy']:.3f}"]
@@ -322,11 +335,15 @@ def describe_eval(record: dict) -> str:
 
 if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config, stop_on_sigterm
+    from meshrl.data.rows import BadRowError
+    from meshrl.errors import ConfigError
 
     stop_on_sigterm()
     try:
         main(parse_run_config(GRPORunConfig, description=__doc__))
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")
+    except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts
+        sys.exit(f"config error: {e}" if isinstance(e, ConfigError) else f"data error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

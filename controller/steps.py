@@ -29,6 +29,7 @@ from meshrl.checkpoint import (
 from meshrl.config import EvalConfig
 from meshrl.controller.api import ActorDiedError, Controller
 from meshrl.data.sampler import EpochSampler
+from meshrl.errors import ConfigError
 from meshrl.rewards import ScoredSample
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
@@ -123,6 +124,11 @@ def supervised_warmup(
     from tqdm import tqdm
 
     rows, demos = setup.demonstrations(max_len)
+    if len(rows) < cfg.batch_size:
+        raise ConfigError(
+            f"warmup.batch_size={cfg.batch_size}, but only {len(rows)} training rows have a reference answer that fits "
+            f"in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
+        )
     rng = random.Random(seed)
     for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
         data = [Datum.from_completion(*demos[i]) for i in rng.sample(range(len(rows)), cfg.batch_size)]
@@ -264,6 +270,7 @@ class SampledGroups:
     task_rewards: list[float]  # the task reward of EVERY completion generated this step (kept or dropped)
     correct: list[bool]  # the verifier's verdict on every completion generated this step
     reward_failures: dict[str, int]  # "name: timeout" / "name: error" -> samples (scored 0 for that function)
+    reward_parts: dict[str, list[float]]  # each reward function's raw value on every completion generated
     prompts_drawn: int
     rounds: int
     groups_dropped: int
@@ -291,7 +298,7 @@ def sample_groups(
     generation seed from `rng` (the engines derive every sample's noise from it), so restoring both reproduces the
     step exactly — e.g. after a resume."""
     g, want = cfg.group_size, cfg.prompts_per_step
-    out = SampledGroups([], [], [], [], [], [], Counter(), 0, 0, 0, 0.0, 0.0)
+    out = SampledGroups([], [], [], [], [], [], Counter(), {}, 0, 0, 0, 0.0, 0.0)
     while len(out.rows) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         picks = sampler.next_indices(want)
         seeded = dataclasses.replace(sampling, seed=rng.getrandbits(32))
@@ -305,6 +312,8 @@ def sample_groups(
         for s in scored:
             for name, why in s.failures.items():
                 out.reward_failures[f"{name}: {why.split(':')[0]}"] += 1
+            for name, value in s.parts.items():
+                out.reward_parts.setdefault(name, []).append(value)
         out.correct += [is_correct(s, setup.verifier) for s in scored]
         out.time_generate_s += t1 - t0
         out.time_score_s += time.perf_counter() - t1

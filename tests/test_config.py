@@ -12,10 +12,10 @@ from meshrl.config import (
     GRPORunConfig,
     TrainerConfig,
 )
-from meshrl.data.prompts import DataConfig
-from meshrl.tasks.reverse import ReverseTaskConfig
 from meshrl.configs import PRESETS
 from meshrl.controller.cli import parse_run_config
+from meshrl.data.prompts import DataConfig
+from meshrl.tasks.reverse import ReverseTaskConfig
 
 
 def test_presets_are_valid():

@@ -43,10 +43,16 @@ FLAGS = [
     "--grpo.dynamic-sampling",  # its refill rounds draw from the same RNG: covered by the bitwise check
     "--trainer.micro-batch-size",
     "16",
+    # 18 training prompts, >= 24 drawn: the run crosses an epoch boundary, and is checkpointed mid-epoch (the data
+    # cursor is part of the checkpoint). Evaluation during RL (greedy + 2 samples per prompt) is part of the records.
     "--reverse.num-train",
-    "100",
+    "18",
     "--reverse.num-eval",
     "4",
+    "--eval.every",
+    "3",
+    "--eval.samples",
+    "2",
     "--run.save-every",
     "2",
     "--run.call-timeout-s",
@@ -118,8 +124,10 @@ def test_resumed_run_equals_the_straight_run_bitwise(out, straight, killed):
     b = out / "b"
     ra, rb = _records(a), _records(b)
     assert [r["step"] for r in rb if r["phase"].startswith("rl")] == list(range(STEPS))  # each step once
-    assert [r["phase"] for r in rb if not r["phase"].startswith("rl")] == ["warmup"] * 2 + ["eval"] * 2
+    assert [r["phase"] for r in rb if not r["phase"].startswith("rl")] == ["warmup"] * 2 + ["eval"] * 3
     assert [r["prompts"] for r in rb if r["phase"] == "rl"] == [r["prompts"] for r in ra if r["phase"] == "rl"]
+    epochs = [r["epoch"] for r in rb if r["phase"] == "rl"]
+    assert epochs[0] < 1 < epochs[-1]  # the data cursor crossed an epoch boundary
     assert rb == ra  # losses, rewards, grad norms, policy versions, evaluations: bitwise
     summary_b = json.loads((b / "summary.json").read_text())
     for key in ("reward_first5_mean", "reward_last5_mean", "eval_accuracy_before_rl", "eval_accuracy_after_rl"):

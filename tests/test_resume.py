@@ -84,6 +84,8 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(tmp_pat
         sys.executable,
         "-m",
         "meshrl.controller.sft",
+        "--preset",
+        "tiny-reverse-sft",
         "--sft.max-steps",
         "100000",
         "--sft.eval-every",

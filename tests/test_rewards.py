@@ -45,6 +45,8 @@ MATH_CASES = [
     ("$\\sqrt{2}$", "The side is \\boxed{\\sqrt{2}}.", 1.0),
     ("\\sqrt{2}", "\\boxed{2^{1/2}}", 1.0),
     ("-3", "The answer is -3.", 1.0),
+    ("\\frac{439}{7}", "The answer is 439/7.", 1.0),  # the full stop is not a decimal point (439/7.0 != 439/7)
+    ("3.5", "It weighs 3.5.", 1.0),
     ("7", "The answer is 7.", 1.0),
     ("\\boxed{7}", "so x = 7", 1.0),
     ("42", "#### 42\nThat took 3 steps.", 1.0),  # prose after the GSM8K marker is not the answer
@@ -176,7 +178,7 @@ def test_resolve_reward(tmp_path, monkeypatch):
         resolve_reward("no_such_pkg.mod:fn")
     with pytest.raises(ConfigError, match="has no 'missing'.*contains_answer"):
         resolve_reward("user_rewards:missing")
-    with pytest.raises(ConfigError, match="is a int, not a function"):
+    with pytest.raises(ConfigError, match="not callable .*type int"):
         resolve_reward("user_rewards:NOT_A_FUNCTION")
 
     (tmp_path / "broken_rewards.py").write_text("import no_such_dependency_xyz\n")
@@ -207,7 +209,7 @@ def test_reward_set_checks_at_construction():
         RewardSet({"exact": 1.0, "nope": 1.0})
     with pytest.raises(ConfigError, match="finite"):
         RewardSet({"exact": math.nan})
-    with pytest.raises(ConfigError, match="not a function"):
+    with pytest.raises(ConfigError, match="not callable"):
         RewardSet({"mine": 1.0}, fns={"mine": 3})
     with pytest.raises(ConfigError, match="no weight"):
         RewardSet({"exact": 1.0}, fns={"other": lambda c, r: 1.0})
@@ -229,6 +231,19 @@ def test_weighted_sum_and_cfg_binding():
         with pytest.raises(ValueError, match="2 completions but 1 rows"):
             rs.score(["a", "b"], [row("a")])
         assert rs.score([], []) == []
+    finally:
+        rs.close()
+
+
+def test_user_functions_with_a_cfg_keyword_get_the_run_config():
+    rs = RewardSet(
+        {"user_rewards:long_enough": 1.0, "user_rewards:contains_answer": 1.0}, ScoringConfig(length_target=3)
+    )
+    try:
+        assert [s.parts for s in rs.score(["42", "4242"], [row("42")] * 2)] == [
+            {"user_rewards:long_enough": 0.0, "user_rewards:contains_answer": 1.0},
+            {"user_rewards:long_enough": 1.0, "user_rewards:contains_answer": 1.0},
+        ]
     finally:
         rs.close()
 

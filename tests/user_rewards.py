@@ -17,7 +17,25 @@ async def async_contains_answer(completion: str, row: dict) -> float:
     return float(str(row["answer"]) in completion)
 
 
+def long_enough(completion: str, row: dict, *, cfg) -> float:
+    """A keyword-only `cfg` receives the run's ScoringConfig."""
+    return float(len(completion) >= cfg.length_target)
+
+
 class Judges:
     @staticmethod
     def strict(completion: str, row: dict) -> float:
         return float(completion == row["answer"])
+
+
+def raises(completion: str, row: dict) -> float:
+    """A buggy verifier: every sample it scores fails (scored 0 and counted; the run goes on)."""
+    raise KeyError("test_cases")
+
+
+def hangs(completion: str, row: dict) -> float:
+    """A verifier stuck on every sample (e.g. a sandbox that never answers): past scoring.timeout_s it scores 0."""
+    import time
+
+    time.sleep(3600)
+    return 1.0

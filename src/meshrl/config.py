@@ -669,8 +669,6 @@ class EvalRunConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
-        if self.model.path is None:
-            raise ConfigError("evaluation needs --model.path: the HF checkpoint dir to evaluate")
         if self.data.train is not None:
             raise ConfigError("evaluation reads held-out rows only: use --data.eval, not --data.train")
         if self.reward is not None:

@@ -66,7 +66,9 @@ class Renderer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        return cls(tokenizer, cfg, stop_token_ids=model_stop_token_ids(model_dir))
+        from meshrl.models.hf_config import stop_token_ids
+
+        return cls(tokenizer, cfg, stop_token_ids=stop_token_ids(model_dir))
 
     def messages(self, row: Row) -> list[dict[str, Any]]:
         """The row as chat messages, with the configured system prompt."""
@@ -116,17 +118,3 @@ class Renderer:
 
     def completion_texts(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
         return [self.completion_text(ids) for ids in token_ids]
-
-
-def model_stop_token_ids(model_dir: str | Path) -> list[int]:
-    """Every id that ends a turn for this model: generation_config.json's and config.json's eos_token_id (an int or
-    a list: Llama 3 and Qwen chat models list several)."""
-    import json
-
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir, name)
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)])
-    return sorted(ids)

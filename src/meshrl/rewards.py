@@ -3,7 +3,7 @@
 A reward function takes the completion text and the row's verifier view (`Row.verifier_view()`: the dataset
 row's own fields plus "prompt" and "answer") and returns a number; it may be `async def`. Name them in a spec:
 
-    weights = parse_reward_spec("math_verify=1.0, format=0.1, my_pkg.rewards:brevity=0.5")
+    weights = parse_reward_spec("math_verify=1.0, format=0.1")  # or "my_pkg.rewards:brevity=0.5", ...
     rs = RewardSet(weights, ScoringConfig(timeout_s=5))
     [s.reward for s in rs.score(["<think>2+2</think> \\boxed{4}"], [{"prompt": "2+2?", "answer": "4"}])]  # [1.1]
 
@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +47,10 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def brevity(completion: str, row: dict) -> float:
         return -len(completion) / 1000
 
-    Register in the controller process (before the RewardSet is built): the set is pickled to the reward processes
-    with its functions, so they need not import your module there."""
+    Register in the controller process, before the RewardSet is built. The set travels to the reward processes with
+    cloudpickle: a function defined in your script (__main__) travels by value; one from an importable module by
+    reference, so that module must import there too (reward processes inherit PYTHONPATH), unless you call
+    `cloudpickle.register_pickle_by_value(module)`."""
 
     def deco(fn: RewardFn) -> RewardFn:
         REWARD_FNS[name] = fn
@@ -155,11 +157,11 @@ def resolve_reward(name: str) -> RewardFn:
         raise ConfigError(f"reward function {name!r}: importing {mod_name!r} failed: {type(e).__name__}: {e}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
-            defined = sorted(k for k, v in vars(obj).items() if callable(v) and not k.startswith("_"))
+            defined = sorted(k for k in dir(obj) if not k.startswith("_") and callable(getattr(obj, k, None)))
             raise ConfigError(f"reward function {name!r}: {mod_name!r} has no {attr!r}; it defines {defined}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"reward function {name!r} is a {type(obj).__name__}, not a function")
+        raise ConfigError(f"reward function {name!r} is not callable (an object of type {type(obj).__name__})")
     return obj
 
 
@@ -201,6 +203,7 @@ class _Job:
     timeout_s: float
     future: Future = field(default_factory=Future)
     started: float | None = None  # time.monotonic() when a worker picked it up: the deadline counts from here
+    events: queue.SimpleQueue | None = None  # its score() call's event queue
 
 
 def _as_reward(value: Any) -> float:
@@ -234,6 +237,7 @@ def _worker(jobs: queue.SimpleQueue) -> None:
             if not job.future.set_running_or_notify_cancel():
                 continue  # moved to a fresh pool
             job.started = time.monotonic()
+            job.events.put(job)
             try:
                 value = job.fn(job.completion, job.row)
                 if inspect.isawaitable(value):
@@ -242,6 +246,7 @@ def _worker(jobs: queue.SimpleQueue) -> None:
                 job.future.set_result(value if value is _TIMED_OUT else _as_reward(value))
             except BaseException as e:  # noqa: B036 - whatever a user function raises is that sample's failure
                 job.future.set_exception(e)
+            job.events.put(job)
     finally:
         loop.close()
 
@@ -302,7 +307,7 @@ class RewardSet:
                 raise ConfigError(f"reward {name!r} has weight {w}; weights must be finite numbers")
             fn = fns[name] if name in fns else resolve_reward(name)
             if not callable(fn):
-                raise ConfigError(f"reward {name!r} is a {type(fn).__name__}, not a function")
+                raise ConfigError(f"reward {name!r} is not callable (an object of type {type(fn).__name__})")
             self._weights[name] = float(w)
             self._fns[name] = _bind_cfg(fn, self.cfg)
         self._lock = threading.Lock()
@@ -336,6 +341,7 @@ class RewardSet:
         ]
         parts: list[dict[str, float]] = [dict.fromkeys(self._fns, 0.0) for _ in completions]
         failures: list[dict[str, str]] = [{} for _ in completions]
+        events: queue.SimpleQueue = queue.SimpleQueue()  # jobs, put by workers as they start and as they finish
 
         def record(job: _Job, value: float | None, failure: str | None) -> None:
             if value is not None:
@@ -347,49 +353,69 @@ class RewardSet:
             if self._pool is None:
                 self._pool = _Pool(self.cfg.num_threads)
             for job in jobs:
+                job.events = events
                 self._pool.submit(job)
-            pending = {job.future: job for job in jobs}
-            while pending:
-                now = time.monotonic()
-                # A job not yet started has its deadline at least `timeout` away, so waking by then never misses one.
-                wake = min(
-                    [timeout]
-                    + [j.started + timeout + _GRACE_S - now for j in pending.values() if j.started is not None]
-                )
-                done, _ = wait(list(pending), timeout=max(wake, 0.0), return_when=FIRST_COMPLETED)
-                for fut in done:
-                    job = pending.pop(fut)
-                    exc = fut.exception()
-                    if exc is not None:
-                        record(job, None, f"error: {type(exc).__name__}: {exc}"[:300])
-                    elif fut.result() is _TIMED_OUT:
-                        record(job, None, "timeout")
-                    else:
-                        record(job, fut.result(), None)
-                now = time.monotonic()
-                expired = [
-                    f
-                    for f, j in pending.items()
-                    if j.started is not None and now - j.started >= timeout + _GRACE_S and not f.done()
-                ]
-                for fut in expired:
-                    record(pending.pop(fut), None, "timeout")
-                if expired:
-                    self._replace_pool(pending)
+            self._wait(dict.fromkeys(jobs), events, record)
         return [
             ScoredSample(sum(self._weights[n] * v for n, v in p.items()), p, f)
             for p, f in zip(parts, failures, strict=True)
         ]
 
-    def _replace_pool(self, pending: dict[Future, _Job]) -> None:
+    def _wait(self, pending: dict[_Job, None], events: queue.SimpleQueue, record: Callable) -> None:
+        """Record each job's outcome as workers report it, and time out the running ones.
+
+        Every job has the same timeout, so deadlines fall in start order: `running` (insertion-ordered, filled as
+        start events arrive) has the earliest deadline first, and each wake-up costs O(events), not O(batch)."""
+        timeout = self.cfg.timeout_s + _GRACE_S
+        running: dict[_Job, None] = {}
+
+        def handle(job: _Job) -> None:
+            if job not in pending:
+                return  # a late event of a job already recorded
+            if not job.future.done():
+                running[job] = None  # its start
+                return
+            del pending[job]
+            running.pop(job, None)
+            exc = job.future.exception()
+            if exc is not None:
+                record(job, None, f"error: {type(exc).__name__}: {exc}"[:300])
+            elif job.future.result() is _TIMED_OUT:
+                record(job, None, "timeout")
+            else:
+                record(job, job.future.result(), None)
+
+        while pending:
+            first = next(iter(running), None)
+            wake = first.started + timeout - time.monotonic() if first is not None else timeout
+            try:
+                handle(events.get(timeout=max(wake, 0.0)))
+                while True:
+                    handle(events.get_nowait())
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            abandoned = False
+            while running and (first := next(iter(running))).started + timeout <= now:
+                del running[first]
+                if first.future.done():  # finished as its deadline passed: its event is in the queue
+                    handle(first)
+                else:
+                    del pending[first]
+                    record(first, None, "timeout")
+                    abandoned = True
+            if abandoned:
+                self._replace_pool(pending)
+
+    def _replace_pool(self, pending: dict[_Job, None]) -> None:
         """Threads stuck in abandoned jobs are lost to the pool: start a full fresh one and move the jobs that have
         not started onto it (those already running finish where they are)."""
         old, self._pool = self._pool, _Pool(self.cfg.num_threads)
-        for fut, job in list(pending.items()):
-            if fut.cancel():  # the old queue keeps the cancelled job, which its workers skip: submit a copy
-                del pending[fut]
+        for job in list(pending):
+            if job.future.cancel():  # the old queue keeps the cancelled job, which its workers skip: submit a copy
+                del pending[job]
                 moved = dataclasses.replace(job, future=Future())
-                pending[moved.future] = moved
+                pending[moved] = None
                 self._pool.submit(moved)
         old.shutdown()
 
@@ -570,10 +596,15 @@ def _math_verify_api() -> tuple[Any, Any, list[Any]]:
     return parse, verify, [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
+# A full stop right after a number: math_verify reads 'The answer is 439/7.' as 439/7.0, a float that then fails to
+# equal the rational 439/7 (decimal points, followed by a digit, are kept).
+_SENTENCE_END = re.compile(r"(?<=\d)\.(?=\s|$)")
+
+
 @functools.lru_cache(maxsize=4096)  # a GRPO group scores one gold answer G times; sympy objects are immutable
 def _parse_gold(answer: str) -> list[Any]:
     parse, _, extraction = _math_verify_api()
-    gold = _after_hashes(answer) or answer.strip()
+    gold = _SENTENCE_END.sub("", _after_hashes(answer) or answer.strip())
     # Bare LaTeX ('\\frac12', '\\sqrt{2}') is only found between math delimiters.
     if "$" not in gold and "\\boxed" not in gold and "\\(" not in gold and "\\[" not in gold:
         gold = f"${gold}$"
@@ -593,7 +624,7 @@ def math_verify(completion: str, row: dict) -> float:
     text = completion
     if "\\boxed" not in completion and (tail := _after_hashes(completion)):
         text = tail  # GSM8K style: trailing prose after '#### 42' must not become the answer
-    pred = parse(text, extraction, parsing_timeout=None)
+    pred = parse(_SENTENCE_END.sub("", text), extraction, parsing_timeout=None)
     for p in pred:
         if not isinstance(p, str) and (big := _too_large(p)) is not None:
             raise ValueError(f"expression too large to compare: {big[:80]}")

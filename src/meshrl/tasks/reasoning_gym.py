@@ -24,9 +24,10 @@ class ReasoningGymConfig:
     size: int = 2000
     """Training rows generated."""
     eval_size: int = 200
-    """Held-out rows, generated with another seed (duplicates of training questions removed)."""
+    """Held-out rows, generated past the training rows (questions that also occur in training removed)."""
     seed: int = 42
-    """Seed of the training rows (held-out rows use seed + 1)."""
+    """Seed of the rows (reasoning-gym draws item i from seed + i: training items are seed .. seed + size - 1, held-out
+    items the next eval_size)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The task's own generator options (e.g. {"min_numbers": 3, "max_numbers": 4} for countdown)."""
 
@@ -67,7 +68,8 @@ def build_reasoning_gym_task(name: str, cfg: ReasoningGymConfig) -> Task:
 
     train = rows(cfg.size, cfg.seed)
     seen = {r.prompt for r in train}
-    held_out = [r for r in rows(cfg.eval_size, cfg.seed + 1) if r.prompt not in seen]
+    # reasoning-gym seeds item i with seed + i: held-out rows start where the training rows end.
+    held_out = [r for r in rows(cfg.eval_size, cfg.seed + cfg.size) if r.prompt not in seen]
     if not held_out:
         raise ConfigError(f"reasoning_gym:{name}: every held-out question is also a training question")
     return Task(f"reasoning_gym:{name}", train, held_out, reward=f"{VERIFIER}=1.0", verifier=VERIFIER)
