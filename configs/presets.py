@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshrl.config import (
+    EvalRunConfig,
     GeneratorConfig,
     GRPOConfig,
     GRPORunConfig,
@@ -70,3 +71,19 @@ def default_sft() -> SFTRunConfig:
 
 PRESETS = {"default": default, "tiny-reverse": tiny_reverse}
 SFT_PRESETS = {"default": default_sft, "tiny-reverse-sft": tiny_reverse_sft}
+
+
+def default_eval() -> EvalRunConfig:
+    """The config dataclasses' own defaults (name the checkpoint with --model.path)."""
+    return EvalRunConfig()
+
+
+EVAL_PRESETS = {"default": default_eval}
+
+
+def presets_for(cls: type) -> dict:
+    """The presets of a program's root config class."""
+    by_class = {GRPORunConfig: PRESETS, SFTRunConfig: SFT_PRESETS, EvalRunConfig: EVAL_PRESETS}
+    if cls not in by_class:
+        raise ValueError(f"no presets for {cls.__name__}; pass presets=")
+    return by_class[cls]

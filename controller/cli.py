@@ -24,7 +24,9 @@ def parse_run_config(
     """tyro over `cls`, starting from `--preset NAME` (the last one given wins; default: `default_preset`, the
     dataclasses' own defaults). `--help` lists the presets."""
     if presets is None:
-        from meshrl.configs import PRESETS as presets
+        from meshrl.configs import presets_for
+
+        presets = presets_for(cls)
 
     args = list(sys.argv[1:] if argv is None else argv)
     preset = default_preset

@@ -74,11 +74,7 @@ if __name__ == "__main__":
 
     stop_on_sigterm()
     try:
-        main(
-            parse_run_config(
-                EvalRunConfig, description=__doc__, presets={"default": EvalRunConfig}, default_preset="default"
-            )
-        )
+        main(parse_run_config(EvalRunConfig, description=__doc__))
     except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts
         sys.exit(f"config error: {e}" if isinstance(e, ConfigError) else f"data error: {e}")
     except KeyboardInterrupt:

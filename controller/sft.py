@@ -192,16 +192,13 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
 
 
 if __name__ == "__main__":
-    from meshrl.configs import SFT_PRESETS
     from meshrl.controller.cli import parse_run_config, stop_on_sigterm
     from meshrl.data.rows import BadRowError
     from meshrl.errors import ConfigError
 
     stop_on_sigterm()
     try:
-        main(
-            parse_run_config(SFTRunConfig, description=__doc__, presets=SFT_PRESETS)
-        )
+        main(parse_run_config(SFTRunConfig, description=__doc__))
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")
     except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts

@@ -308,6 +308,11 @@ class RewardSet:
             fn = fns[name] if name in fns else resolve_reward(name)
             if not callable(fn):
                 raise ConfigError(f"reward {name!r} is not callable (an object of type {type(fn).__name__})")
+            if fn is math_verify:  # a missing package must fail the launch, not give every sample 0
+                try:
+                    _math_verify_api()
+                except ImportError as e:
+                    raise ConfigError(f"reward 'math_verify' needs the math-verify package: {e}") from e
             self._weights[name] = float(w)
             self._fns[name] = _bind_cfg(fn, self.cfg)
         self._lock = threading.Lock()
