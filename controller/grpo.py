@@ -45,7 +45,7 @@ from meshrl.data.sampler import EpochSampler
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, build_task
-from meshrl.tasks.setup import TaskSetup, ensure_model
+from meshrl.tasks.setup import TaskSetup, check_model_dir, ensure_model
 from meshrl.types import Datum, OptimParams, SamplingParams
 
 
@@ -177,6 +177,8 @@ def main(
     """Run GRPO. `train_rows` / `eval_rows` (row dicts as in a JSONL file, or `Row`s) stand in for --data.train /
     --data.eval; `reward_fns` ({name: fn(completion, row) -> float}) add reward functions, weight 1.0 unless
     cfg.reward weighs them."""
+    if cfg.model.path is not None:  # a checkpoint the trainer cannot load is refused before anything else runs
+        check_model_dir(cfg.model.path, cfg.model.backend)
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     task = build_task(cfg, train_rows=train_rows, eval_rows=eval_rows)
     model_dir = ensure_model(cfg, task, run.path)

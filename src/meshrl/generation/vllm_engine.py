@@ -133,6 +133,12 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             enforce_eager=enforce_eager,
+            # Whole prompts per scheduler step: with chunked prefill a seeded request is prefilled in parts, and
+            # for such a request vLLM rewinds its sampling generator, which the CPU build cannot do ('CPU Generator
+            # does not use offset': any batch over 4096 prompt tokens crashed). Per-request seeds are how meshrl
+            # makes sampling reproducible (resume), so chunking goes; the step budget must hold the longest prompt.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(4096, max_model_len),
             skip_tokenizer_init=True,  # token ids in and out; no detokenisation
             logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
             worker_extension_cls=WORKER_EXTENSION,

@@ -186,11 +186,7 @@ def ensure_model(cfg: Any, task: Task | None, run_path: Path) -> str:
     the run directory with `new_model_tokenizer` (a resumed run finds it there already)."""
     model_cfg = cfg.model
     if model_cfg.path is not None:
-        if not Path(model_cfg.path, "config.json").is_file():
-            raise ConfigError(
-                f"--model.path {model_cfg.path}: no config.json there; give an HF checkpoint directory "
-                "(config.json, weights, tokenizer files)"
-            )
+        check_model_dir(model_cfg.path)
         return str(model_cfg.path)
     model_dir = run_path / "base_model"
     if not (model_dir / "config.json").exists():
@@ -199,6 +195,19 @@ def ensure_model(cfg: Any, task: Task | None, run_path: Path) -> str:
         tokenizer = new_model_tokenizer(cfg, task)
         create_random_checkpoint(model_dir, flavor=model_cfg.flavor, tokenizer=tokenizer, seed=model_cfg.seed)
     return str(model_dir)
+
+
+def check_model_dir(path: str | Path, backend: str | None = None) -> None:
+    """`--model.path` names an HF checkpoint directory that `backend` (if given) can train; else ConfigError."""
+    if not Path(path, "config.json").is_file():
+        raise ConfigError(
+            f"--model.path {path}: no config.json there; give an HF checkpoint directory (config.json, weights, "
+            "tokenizer files)"
+        )
+    if backend is not None:
+        from meshrl.models.hf_config import check_backend_supports
+
+        check_backend_supports(str(path), backend)
 
 
 def new_model_tokenizer(cfg: Any, task: Task | None) -> Any:

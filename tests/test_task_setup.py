@@ -1,0 +1,113 @@
+"""The task seam without processes: rendering with the model's own tokenizer and chat template, the prompt budget,
+reward specs ('task' meaning the task's verifier), and the checks that refuse a bad model directory at launch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.errors import ConfigError
+from meshrl.render import RenderConfig, Renderer
+from meshrl.tasks.base import Row, Task
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from meshrl.models.tiny_hf import create_tiny_chat_model
+
+    return str(create_tiny_chat_model(tmp_path_factory.mktemp("m") / "qwen3", arch="qwen3", vocab_size=300))
+
+
+def test_reverse_prompts_render_to_the_character_ids(tmp_path):
+    """The built-in task through the model directory's tokenizer gives exactly the ids its CharTokenizer gives, so
+    the main job trains on the same tokens as before the seam (and decodes completions back to the characters)."""
+    from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
+
+    cfg = ReverseTaskConfig()
+    char = cfg.tokenizer()
+    renderer = Renderer(char.to_hf())  # what the new model's directory holds
+    assert not renderer.use_chat_template and renderer.eos_id == char.eos_id
+    for row in build_reverse_task(cfg).train[:50]:
+        assert renderer.prompt_ids(row) == char.encode(row.prompt)
+        ids = char.encode(row.answer) + [char.eos_id]
+        assert renderer.completion_text(ids) == row.answer
+        assert renderer.demonstration_ids(row, row.answer) == (char.encode(row.prompt), ids)
+
+
+def test_chat_rendering_system_prompt_and_thinking(chat_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    plain = Renderer.from_model_dir(chat_model)
+    text = plain.prompt_text(Row("What is 2 + 3?"))
+    assert text == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    chat = Row([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    with_system = Renderer(tok, RenderConfig(system_prompt="Think first."))
+    assert with_system.prompt_text(chat).startswith("<|im_start|>system\nBe brief.")  # the row's own system wins
+    assert with_system.prompt_text(Row("Hi")).startswith("<|im_start|>system\nThink first.<|im_end|>")
+    no_think = Renderer(tok, RenderConfig(enable_thinking=False))
+    assert no_think.prompt_text(Row("Hi")).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # Completions: the stop token that ended them is removed, special tokens skipped.
+    ids = plain.encode("5") + [plain.eos_id]
+    assert plain.completion_text(ids) == "5"
+    assert set(plain.stop_token_ids) >= {tok.convert_tokens_to_ids("<|im_end|>")}
+    off = Renderer(tok, RenderConfig(chat_template="off"))
+    assert off.prompt_text(Row("Hi")) == "Hi"
+    with pytest.raises(ValueError, match="chat template"):
+        off.prompt_ids(chat)
+
+
+def test_prompt_budget_drops_and_counts_never_truncates(chat_model):
+    from meshrl.tasks.setup import PromptSet
+
+    renderer = Renderer.from_model_dir(chat_model)
+    rows = [Row("short?"), Row("a much longer question " * 20), Row("also short")]
+    budget = max(len(renderer.prompt_ids(rows[0])), len(renderer.prompt_ids(rows[2])))
+    prompts = PromptSet.render(rows, renderer, budget, "train")
+    assert prompts.rows == [rows[0], rows[2]] and prompts.dropped == 1
+    assert prompts.prompt_ids == [renderer.prompt_ids(rows[0]), renderer.prompt_ids(rows[2])]
+    assert "1 dropped (prompt over" in prompts.describe("train")
+    with pytest.raises(ConfigError, match="raise --generator.max-model-len"):
+        PromptSet.render(rows[1:2], renderer, budget, "eval")
+
+
+def test_reward_spec_task_alias_and_python_functions():
+    from meshrl.tasks.setup import reward_weights
+
+    task = Task("t", [Row("q", "1")], [Row("q", "1")], reward="exact=1", verifier="math_verify")
+    weights, fns = reward_weights("task=1.0,format=0.1", task)
+    assert weights == {"math_verify": 1.0, "format": 0.1} and fns == {}
+    fn = lambda completion, row: 1.0  # noqa: E731
+    weights, fns = reward_weights("format=0.2", task, {"mine": fn})
+    assert weights == {"format": 0.2, "mine": 1.0} and fns == {"mine": fn}
+    no_verifier = Task("d", [Row("q")], [Row("q")], reward="math_verify=1", verifier="")
+    with pytest.raises(ConfigError, match="has no verifier of its own"):
+        reward_weights("task=1", no_verifier)
+
+
+def test_tokenizer_of_another_model_is_refused(chat_model, tmp_path):
+    from meshrl.tasks.setup import check_tokenizer_fits
+
+    other = tmp_path / "other"
+    shutil.copytree(chat_model, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] = 100  # the weights of a smaller-vocabulary model under this tokenizer
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="belong to different models"):
+        check_tokenizer_fits(Renderer.from_model_dir(other), other)
+    check_tokenizer_fits(Renderer.from_model_dir(chat_model), chat_model)  # its own: fine
+
+
+def test_torchtitan_on_llama_is_refused_before_any_process(tmp_path):
+    from meshrl.models.tiny_hf import create_tiny_chat_model
+
+    llama = create_tiny_chat_model(tmp_path / "llama", arch="llama", vocab_size=300)
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", "--model.path", str(llama), "--task", "reverse"]
+    proc = subprocess.run(cmd + ["--run.output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "loads Qwen3 checkpoints only" in proc.stderr and "--model.backend hf" in proc.stderr, proc.stderr[-2000:]
+    assert "trainer processes" not in proc.stdout
