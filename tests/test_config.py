@@ -39,9 +39,7 @@ def test_micro_batch_not_divisible_by_dp():
 
 def test_prompt_plus_completion_longer_than_engine_limit():
     with pytest.raises(ConfigError, match="max_model_len=16.*raise max_model_len to at least 18"):
-        GRPORunConfig(
-            generator=GeneratorConfig(max_model_len=16, max_tokens=12), reverse=ReverseTaskConfig(max_len=5)
-        )
+        GRPORunConfig(generator=GeneratorConfig(max_model_len=16, max_tokens=12), reverse=ReverseTaskConfig(max_len=5))
 
 
 @pytest.mark.parametrize(
