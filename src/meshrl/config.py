@@ -14,6 +14,7 @@ from meshrl.data.prompts import DataConfig
 from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
 from meshrl.render import RenderConfig
 from meshrl.rewards import ScoringConfig
+from meshrl.tasks.arithmetic import ArithmeticConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.reverse import ReverseTaskConfig
 
@@ -492,9 +493,10 @@ class GRPORunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: str | None = None
-    """The RL task: 'reverse' (built-in string reversal), 'data' (prompt rows from --data.train/--data.eval),
-    'reasoning_gym:NAME' (a procedural reasoning-gym task, e.g. countdown), or package.module:function returning a
-    meshrl.tasks.Task. Default: 'data' when --data.train is given, else 'reverse'."""
+    """The RL task: 'reverse' (built-in string reversal), 'arithmetic' (built-in procedural math, math-verify),
+    'data' (prompt rows from --data.train/--data.eval), 'reasoning_gym:NAME' (a procedural reasoning-gym task, e.g.
+    countdown), or package.module:function returning a meshrl.tasks.Task. Default: 'data' when --data.train is
+    given, else 'reverse'."""
     reward: str | None = None
     """Reward functions and weights, e.g. 'math_verify=1.0,format=0.1' or 'task=1.0,my_pkg.my_mod:fn=0.5': built-in
     (exact_match, char_match, exact, regex, math_verify, format, length_penalty), 'task' (the task's own verifier),
@@ -502,6 +504,7 @@ class GRPORunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -628,6 +631,7 @@ class SFTRunConfig:
     package.module:function); default 'reverse'."""
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -663,6 +667,7 @@ class EvalRunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=8))

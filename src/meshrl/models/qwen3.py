@@ -296,10 +296,15 @@ def build_model_on_meta(titan_cfg) -> torch.nn.Module:
 
 
 def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer, seed: int) -> Path:
-    """Initialise a Qwen3 `flavor` with torchtitan's init (seeded) and save it in HF format with `tokenizer`."""
-    hf = hf_config_dict(flavor, tokenizer.vocab_size)
+    """Initialise a Qwen3 `flavor` with torchtitan's init (seeded) and save it in HF format with `tokenizer`
+    (meshrl's CharTokenizer, or a transformers tokenizer such as `meshrl.tokenizer.train_bpe_tokenizer`'s)."""
+    if hasattr(tokenizer, "eos_id"):  # CharTokenizer
+        vocab, eos, pad, bos = tokenizer.vocab_size, tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id
+    else:  # len() counts added tokens, which vocab_size does not
+        vocab, eos, pad, bos = len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
+    hf = hf_config_dict(flavor, vocab)
     # transformers' generate and vLLM (without a tokenizer) read the special ids from the config.
-    hf.update(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+    hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
     titan_cfg = titan_config_from_hf(hf)
     model = build_model_on_meta(titan_cfg)
     model.to_empty(device="cpu")

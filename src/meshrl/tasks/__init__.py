@@ -15,7 +15,7 @@ from typing import Any
 from meshrl.errors import ConfigError
 from meshrl.tasks.base import Row, Task
 
-BUILT_IN = ("reverse", "data", "reasoning_gym:NAME")
+BUILT_IN = ("reverse", "arithmetic", "data", "reasoning_gym:NAME")
 
 
 def task_name(cfg: Any) -> str:
@@ -34,6 +34,10 @@ def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: 
         from meshrl.tasks.reverse import build_reverse_task
 
         return build_reverse_task(cfg.reverse)
+    if name == "arithmetic":
+        from meshrl.tasks.arithmetic import build_arithmetic_task
+
+        return build_arithmetic_task(cfg.arithmetic)
     if name.startswith("reasoning_gym:"):
         from meshrl.tasks.reasoning_gym import build_reasoning_gym_task
 
