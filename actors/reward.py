@@ -22,4 +22,4 @@ class RewardActor(Actor):
                 f"{len(completions)} completions for {len(rows)} rows of group_size={group_size}: expected "
                 f"{len(rows) * group_size}"
             )
-        return self.rewards.score(completions, [row for row in rows for _ in range(group_size)])
+        return self.rewards.score(completions, [row for row in rows for _ in range(group_size)], group_size)

@@ -34,10 +34,12 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
     from meshrl.algorithms import step_loss_spec
     from meshrl.config import GeneratorConfig, GRPOConfig, ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
+    from meshrl.rewards import parse_reward_spec
     from meshrl.types import Datum, OptimParams, SamplingParams
 
     P, G = args.prompts, args.group
-    longest_prompt = max(len(p) for p in task.prompt_ids(task.train))
+    tok = task.tokenizer
+    longest_prompt = max(len(tok.encode(r.prompt)) for r in task.train)
     max_model_len = longest_prompt + args.max_tokens
     model_cfg = ModelConfig(
         path=model_dir, backend="hf", dtype="bfloat16" if on_gpu else "float32", attn_backend="sdpa"
@@ -54,13 +56,13 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
         gen_kwargs["weight_sync"] = transport
     gen_cfg = GeneratorConfig(**gen_kwargs)
     grpo = GRPOConfig(steps=args.steps, prompts_per_step=P, group_size=G)
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, n=G, stop_token_ids=[task.tokenizer.eos_id])
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, n=G, stop_token_ids=[tok.eos_id])
     rng = random.Random(0)
     steps: list[dict] = []
     t_start = time.perf_counter()
     with Controller(
         model_dir=model_dir, model_cfg=model_cfg, trainer_cfg=trainer_cfg, generator_cfg=gen_cfg,
-        tokenizer=task.tokenizer, reward_weights=task.reward_weights, seed=0, call_timeout_s=args.call_timeout,
+        tokenizer=tok, rewards=parse_reward_spec(task.reward), seed=0, call_timeout_s=args.call_timeout,
     ) as ctl:  # fmt: skip
         start_s = time.perf_counter() - t_start
         used = getattr(ctl, "weight_transport", None) or "torchstore"
@@ -69,11 +71,12 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
         for step in range(args.steps):
             t0 = time.perf_counter()
             examples = rng.sample(task.train, P)
-            groups = ctl.generate(task.prompt_ids(examples), sampling).result()
+            groups = ctl.generate([tok.encode(r.prompt) for r in examples], sampling).result()
             completions = [c for g in groups for c in g]
             t1 = time.perf_counter()
-            answers = [e.answer for e in examples for _ in range(G)]
-            rewards = [s.reward for s in ctl.score([c.token_ids for c in completions], answers).result()]
+            texts = [tok.decode(c.token_ids) for c in completions]
+            views = [r.verifier_view() for r in examples]
+            rewards = [s.reward for s in ctl.score(texts, views, group_size=G).result()]
             data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in completions]
             for d, a in zip(data, compute_advantages(grpo.advantage, rewards, G), strict=True):
                 d.advantage = a
@@ -154,11 +157,13 @@ def main() -> None:
     ensure_meshrl_layout()
     import torch
 
-    from meshrl.config import GeneratorConfig, TaskConfig
-    from meshrl.tasks import build_task
+    from meshrl.config import GeneratorConfig
+    from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
 
     on_gpu = torch.cuda.is_available() and not args.tiny
-    task = build_task(TaskConfig(name="reverse", min_len=2, max_len=8, alphabet="abcdefgh"))
+    task_cfg = ReverseTaskConfig(min_len=2, max_len=8, alphabet="abcdefgh")
+    task = build_reverse_task(task_cfg)
+    task.tokenizer = task_cfg.tokenizer()  # this bench tokenizes by hand (the GRPO program renders with the model's)
     model_dir = make_model_dir(tempfile.mkdtemp() + "/model", tiny=args.tiny)
     task.tokenizer.save_pretrained(model_dir)
     has_choice = "weight_sync" in {f.name for f in dataclasses.fields(GeneratorConfig)}

@@ -21,9 +21,26 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from meshrl.advantages import compute_advantages
-from meshrl.config import TaskConfig
-from meshrl.rewards import combined_reward
-from meshrl.tasks import build_task
+from meshrl.rewards import RewardSet, ScoringConfig
+from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
+
+
+class CharTask:
+    """The reverse task with its character tokenizer, tokenized by hand (the programs render with the model's)."""
+
+    def __init__(self, cfg: ReverseTaskConfig, weights: dict[str, float]) -> None:
+        task = build_reverse_task(cfg)
+        self.train, self.eval, self.tokenizer = task.train, task.eval, cfg.tokenizer()
+        self.rewards = RewardSet(weights, ScoringConfig(num_threads=1))
+
+    def prompt_ids(self, rows) -> list[list[int]]:
+        return [self.tokenizer.encode(r.prompt) for r in rows]
+
+    def demonstration_ids(self, row) -> tuple[list[int], list[int]]:
+        return self.tokenizer.encode(row.prompt), self.tokenizer.encode(row.answer) + [self.tokenizer.eos_id]
+
+    def reward(self, text: str, row) -> float:
+        return self.rewards.score([text], [row.verifier_view()])[0].reward
 
 
 def build_model(vocab: int, tok, *, layers: int, hidden: int, seed: int) -> Qwen3ForCausalLM:
@@ -115,16 +132,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    task = build_task(
-        TaskConfig(
-            alphabet=a.alphabet,
-            min_len=a.min_len,
-            max_len=a.max_len,
-            num_train=a.num_train,
-            reward_weights={
-                kv.split("=")[0]: float(kv.split("=")[1]) if "=" in kv else 1.0 for kv in a.reward.split(",")
-            },
-        )
+    weights = {kv.split("=")[0]: float(kv.split("=")[1]) if "=" in kv else 1.0 for kv in a.reward.split(",")}
+    task = CharTask(
+        ReverseTaskConfig(alphabet=a.alphabet, min_len=a.min_len, max_len=a.max_len, num_train=a.num_train), weights
     )
     tok, eos = task.tokenizer, task.tokenizer.eos_id
     model = build_model(tok.vocab_size, tok, layers=a.layers, hidden=a.hidden, seed=a.seed)
@@ -159,7 +169,7 @@ def main() -> None:
         model.eval()
         comps = sample(model, prompts, max_tokens=8, temperature=1.0, eos=eos)
         rewards = [
-            combined_reward(tok.decode([t for t in c if t != eos]), e.answer, task.reward_weights)[0]
+            task.reward(tok.decode([t for t in c if t != eos]), e)
             for c, e in zip(comps, [e for e in examples for _ in range(a.group)], strict=True)
         ]
         adv = torch.tensor(compute_advantages(a.advantage, rewards, a.group), dtype=torch.float32)

@@ -399,3 +399,53 @@ def test_threads_overlap_io_bound_functions():
         rs.close()
     assert [s.reward for s in out] == [1.0] * 16
     assert took < 1.5, took  # serial: 3.2 s; 8 threads: ~0.4 s
+
+
+# ---- group rewards: one call per group of completions sampled for the same row -------------------------------
+
+
+def test_group_reward_sees_each_group_whole_beside_per_sample_functions():
+    from meshrl.rewards import RewardSet, ScoringConfig, group_reward
+
+    seen = []
+
+    @group_reward
+    def rank(completions: list[str], row: dict) -> list[float]:
+        seen.append((tuple(completions), row["answer"]))
+        return [float(len(completions) - i) for i in range(len(completions))]
+
+    rs = RewardSet({"rank": 0.5, "exact_match": 1.0}, ScoringConfig(num_threads=2), fns={"rank": rank})
+    completions = ["a", "b", "c", "x", "y", "z"]
+    rows = [{"prompt": "p", "answer": "a"}] * 3 + [{"prompt": "q", "answer": "z"}] * 3
+    out = rs.score(completions, rows, group_size=3)
+    assert sorted(seen) == [(("a", "b", "c"), "a"), (("x", "y", "z"), "z")]
+    assert [s.parts["rank"] for s in out] == [3.0, 2.0, 1.0] * 2
+    assert [s.parts["exact_match"] for s in out] == [1, 0, 0, 0, 0, 1]
+    assert out[0].reward == 1.0 + 0.5 * 3.0 and not any(s.failures for s in out)
+    with pytest.raises(ValueError, match="groups of 4"):
+        rs.score(completions, rows, group_size=4)
+
+
+def test_group_reward_failures_score_the_whole_group_zero():
+    from meshrl.rewards import RewardSet, ScoringConfig, group_reward
+
+    @group_reward
+    def wrong_length(completions, row):
+        return [1.0]
+
+    @group_reward
+    def hangs(completions, row):
+        time.sleep(30)
+        return [1.0] * len(completions)
+
+    rs = RewardSet(
+        {"wrong_length": 1.0, "hangs": 1.0, "exact_match": 1.0},
+        ScoringConfig(num_threads=4, timeout_s=0.5),
+        fns={"wrong_length": wrong_length, "hangs": hangs},
+    )
+    t0 = time.monotonic()
+    out = rs.score(["a", "b"], [{"prompt": "p", "answer": "a"}] * 2, group_size=2)
+    assert time.monotonic() - t0 < 5
+    assert all(s.failures["wrong_length"].startswith("error: ValueError") for s in out)
+    assert all(s.failures["hangs"] == "timeout" for s in out)
+    assert [s.reward for s in out] == [1.0, 0.0]  # exact_match still scored

@@ -62,7 +62,7 @@ def cli_run(tmp_path_factory, model_dir, data_files):
         "--data.eval", str(data_files / "test.jsonl"),
         "--data.prompt-field", "question",
         "--data.answer-field", "answer",
-        "--reward", "math_verify=1.0,format=0.1,user_rewards:raises=0.5,user_rewards:hangs=0.5",
+        "--reward", "math_verify=1.0,format=0.1,user_rewards:raises=0.5,user_rewards:hangs=0.5,user_rewards:shortest_wins=0.1",
         "--scoring.timeout-s", "1",
         "--grpo.steps", "2",
         "--eval.every", "1",
@@ -87,6 +87,8 @@ def test_cli_run_on_data_files_with_failing_verifiers(cli_run):
         assert kinds["user_rewards:raises: error"] == 8 and kinds["user_rewards:hangs: timeout"] == 8
         assert r["reward/user_rewards:raises"] == 0.0 and r["reward/user_rewards:hangs"] == 0.0
         assert {"reward/math_verify", "reward/format", "accuracy_sampled"} <= r.keys()
+        # the group reward saw each group of 2 whole: at least one of the two is the shortest
+        assert r["reward/user_rewards:shortest_wins"] >= 0.5
     evals = [r for r in records if r["phase"] == "eval"]
     assert [r["when"] for r in evals] == ["before_rl", "during_rl", "after_rl"]
     assert all({"accuracy", "mean@2", "pass@1", "pass@2", "reward_failures"} <= r.keys() for r in evals)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from meshrl.rewards import group_reward
+
 NOT_A_FUNCTION = 42
 
 
@@ -39,3 +41,10 @@ def hangs(completion: str, row: dict) -> float:
 
     time.sleep(3600)
     return 1.0
+
+
+@group_reward
+def shortest_wins(completions: list[str], row: dict) -> list[float]:
+    """A group reward: 1 for the shortest completion(s) of the group, 0 for the others."""
+    shortest = min(len(c) for c in completions)
+    return [float(len(c) == shortest) for c in completions]

@@ -40,6 +40,24 @@ REWARD_FNS: dict[str, RewardFn] = {}
 SPEC_FORM = "'name=weight,...', e.g. 'math_verify=1.0,format=0.1' or 'my_pkg.my_mod:fn=0.5' (a bare name weighs 1.0)"
 
 
+def group_reward(fn: Callable) -> Callable:
+    """Mark `fn(completions: list[str], row: dict) -> list[float]` (or async) as a group reward: it is called once
+    per group of completions sampled for the same row (a GRPO group) and returns one value per completion — for
+    verifiers that judge completions against each other (rankings, pairwise preferences, diversity).
+
+    @group_reward
+    def shortest_correct_wins(completions: list[str], row: dict) -> list[float]: ...
+
+    Use it by name in a reward spec like any other (`my_pkg.my_mod:shortest_correct_wins=1.0`). One timeout
+    (scoring.timeout_s) covers the whole group; a failure scores 0 for every completion of the group."""
+    fn.meshrl_group_reward = True
+    return fn
+
+
+def is_group_reward(fn: Callable) -> bool:
+    return bool(getattr(getattr(fn, "func", fn), "meshrl_group_reward", False))
+
+
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Register `fn(completion, row) -> float` (or async) under `name`, for reward specs:
 
@@ -198,12 +216,13 @@ class _Job:
     sample: int
     name: str
     fn: RewardFn
-    completion: str
+    completion: str | list[str]  # a group job: the group's completions
     row: dict
     timeout_s: float
     future: Future = field(default_factory=Future)
     started: float | None = None  # time.monotonic() when a worker picked it up: the deadline counts from here
     events: queue.SimpleQueue | None = None  # its score() call's event queue
+    group: int = 0  # > 0: a group reward's job over samples sample .. sample + group - 1
 
 
 def _as_reward(value: Any) -> float:
@@ -213,6 +232,14 @@ def _as_reward(value: Any) -> float:
     if not math.isfinite(out):
         raise ValueError(f"returned {out}")
     return out
+
+
+def _as_group_rewards(values: Any, n: int) -> list[float]:
+    if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
+        raise TypeError(f"a group reward returned {type(values).__name__}, not a list of {n} numbers")
+    if len(values) != n:
+        raise ValueError(f"a group reward returned {len(values)} values for a group of {n} completions")
+    return [_as_reward(v) for v in values]
 
 
 async def _bounded(aw: Awaitable[Any], timeout_s: float) -> Any:
@@ -243,7 +270,9 @@ def _worker(jobs: queue.SimpleQueue) -> None:
                 if inspect.isawaitable(value):
                     left = job.timeout_s - (time.monotonic() - job.started)
                     value = loop.run_until_complete(_bounded(value, max(left, 0.0)))
-                job.future.set_result(value if value is _TIMED_OUT else _as_reward(value))
+                if value is not _TIMED_OUT:
+                    value = _as_group_rewards(value, job.group) if job.group else _as_reward(value)
+                job.future.set_result(value)
             except BaseException as e:  # noqa: B036 - whatever a user function raises is that sample's failure
                 job.future.set_exception(e)
             job.events.put(job)
@@ -334,25 +363,38 @@ class RewardSet:
         self._lock = threading.Lock()
         self._pool = None
 
-    def score(self, completions: list[str], rows: list[dict]) -> list[ScoredSample]:
-        """One ScoredSample per completion; `rows[i]` is completion i's row (its verifier view)."""
+    def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
+        """One ScoredSample per completion; `rows[i]` is completion i's row (its verifier view). Consecutive runs
+        of `group_size` completions share a row (a GRPO group): group rewards (`group_reward`) see each run whole."""
         if len(completions) != len(rows):
             raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
+        if group_size < 1 or len(completions) % group_size:
+            raise ValueError(f"{len(completions)} completions do not split into groups of {group_size}")
         timeout = self.cfg.timeout_s
+        per_sample = {n: fn for n, fn in self._fns.items() if not is_group_reward(fn)}
+        per_group = {n: fn for n, fn in self._fns.items() if is_group_reward(fn)}
         jobs = [
             _Job(i, name, fn, c, row, timeout)
             for i, (c, row) in enumerate(zip(completions, rows, strict=True))
-            for name, fn in self._fns.items()
+            for name, fn in per_sample.items()
+        ]
+        jobs += [
+            _Job(i, name, fn, completions[i : i + group_size], rows[i], timeout, group=group_size)
+            for i in range(0, len(completions), group_size)
+            for name, fn in per_group.items()
         ]
         parts: list[dict[str, float]] = [dict.fromkeys(self._fns, 0.0) for _ in completions]
         failures: list[dict[str, str]] = [{} for _ in completions]
         events: queue.SimpleQueue = queue.SimpleQueue()  # jobs, put by workers as they start and as they finish
 
-        def record(job: _Job, value: float | None, failure: str | None) -> None:
-            if value is not None:
-                parts[job.sample][job.name] = value
-            if failure is not None:
-                failures[job.sample][job.name] = failure
+        def record(job: _Job, value: float | list[float] | None, failure: str | None) -> None:
+            samples = range(job.sample, job.sample + max(job.group, 1))
+            values = value if job.group and value is not None else [value] * len(samples)
+            for i, v in zip(samples, values, strict=True):
+                if v is not None:
+                    parts[i][job.name] = v
+                if failure is not None:
+                    failures[i][job.name] = failure
 
         with self._lock:
             if self._pool is None:
@@ -430,23 +472,6 @@ class RewardSet:
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
-
-
-def check_reward_weights(weights: Mapping[str, float]) -> None:
-    """Raise ConfigError unless every name resolves (kept for older callers; RewardSet checks this itself)."""
-    for name in weights:
-        resolve_reward(name)
-
-
-def combined_reward(
-    completion: str, answer: str | None, weights: Mapping[str, float]
-) -> tuple[float, dict[str, float]]:
-    """Weighted sum of synchronous reward functions on one completion, inline (no threads, no timeout), and each
-    one's raw value. Kept for older callers; use RewardSet."""
-    cfg = ScoringConfig()
-    row = {"prompt": "", "answer": answer}
-    parts = {name: _as_reward(_bind_cfg(resolve_reward(name), cfg)(completion, row)) for name in weights}
-    return sum(weights[n] * v for n, v in parts.items()), parts
 
 
 # ---------------------------------------------------------------------------------------------------------------
