@@ -51,6 +51,11 @@ COMMON = [
 ]  # fmt: skip
 
 
+# built-in verifiers, one that raises, one that hangs, and a group reward (all from the user's module by import path)
+REWARDS = ["math_verify=1.0", "format=0.1", "user_rewards:raises=0.5", "user_rewards:hangs=0.5"]
+REWARDS += ["user_rewards:shortest_wins=0.1"]
+
+
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory, model_dir, data_files):
     """The issue's first command, plus a verifier that raises and one that hangs."""
@@ -62,7 +67,7 @@ def cli_run(tmp_path_factory, model_dir, data_files):
         "--data.eval", str(data_files / "test.jsonl"),
         "--data.prompt-field", "question",
         "--data.answer-field", "answer",
-        "--reward", "math_verify=1.0,format=0.1,user_rewards:raises=0.5,user_rewards:hangs=0.5,user_rewards:shortest_wins=0.1",
+        "--reward", ",".join(REWARDS),
         "--scoring.timeout-s", "1",
         "--grpo.steps", "2",
         "--eval.every", "1",
