@@ -111,3 +111,15 @@ def test_torchtitan_on_llama_is_refused_before_any_process(tmp_path):
     assert proc.returncode != 0
     assert "loads Qwen3 checkpoints only" in proc.stderr and "--model.backend hf" in proc.stderr, proc.stderr[-2000:]
     assert "trainer processes" not in proc.stdout
+
+
+def test_logprob_gap_between_trainer_and_generator_is_flagged(capsys):
+    """A trainer that computes another model than the generator (dropout on, other weights) shows as a logprob gap:
+    flagged loudly on every step where it exceeds rounding, silent otherwise."""
+    from meshrl.controller.grpo import warn_on_logprob_gap
+
+    warn_on_logprob_gap({"step": 3, "logprob_diff_mean": 2e-6, "logprob_diff_max": 1e-5})
+    assert capsys.readouterr().err == ""
+    warn_on_logprob_gap({"step": 4, "logprob_diff_mean": 2.9, "logprob_diff_max": 7.5})
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "2.900 nats" in err and "dropout" in err and "step 4" in err
