@@ -44,7 +44,7 @@ def parse_run_config(
             cls,
             default=presets[preset](),
             args=args,
-            description=f"{description or ''}\nPresets (--preset NAME; flags after it override it):\n{listing}\n"
+            description=f"{description or ''}\nPresets (--preset NAME; flags after it override it):\n{listing}\n\n"
             f"Starting from preset {preset!r}.",
         )
     except ConfigError as e:

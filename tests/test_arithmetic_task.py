@@ -107,7 +107,7 @@ def test_meshrl_math_verify_reward_scores_demonstrations():
         (dict(min_value=-1), "--arithmetic.min-value"),
         (dict(min_value=10, max_value=5), "--arithmetic.max-value"),
         (dict(num_operands=1), "--arithmetic.num-operands"),
-        (dict(num_train=9000, max_value=9), "--arithmetic.num-train"),
+        (dict(num_train=200, max_value=9), "--arithmetic.num-train"),
     ],
 )
 def test_config_validation_names_the_flag(kwargs, flag):

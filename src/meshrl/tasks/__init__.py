@@ -53,10 +53,10 @@ def build_data_task(data: Any, *, train_rows: Sequence[Any] | None, eval_rows: S
     """Prompt rows from files (--data.train / --data.eval) or Python lists, judged by the run's reward spec."""
     from meshrl.data.prompts import load_prompt_rows
 
-    def load(source: Any, what: str) -> tuple[list[Row], dict[str, int]]:
-        if source is not None and len(source) and all(isinstance(r, Row) for r in source):
-            return list(source), {}
-        loaded = load_prompt_rows(source, data)
+    def load(source: Any, what: str, limit: int | None = None) -> tuple[list[Row], dict[str, int]]:
+        if not isinstance(source, str) and source and all(isinstance(r, Row) for r in source):
+            return list(source)[:limit], {}
+        loaded = load_prompt_rows(source, data, limit=limit)  # stops reading once `limit` rows are usable
         return loaded.rows, {f"{what}: {k}": v for k, v in loaded.skipped.items()}
 
     train_source = train_rows if train_rows is not None else data.train
@@ -68,9 +68,7 @@ def build_data_task(data: Any, *, train_rows: Sequence[Any] | None, eval_rows: S
             "--task data needs held-out rows to evaluate on: --data.eval FILE (evaluation is how a run is judged)"
         )
     train, skipped = load(train_source, "train")
-    held_out, eval_skipped = load(eval_source, "eval")
-    if data.max_eval_rows is not None:
-        held_out = held_out[: data.max_eval_rows]
+    held_out, eval_skipped = load(eval_source, "eval", data.max_eval_rows)
     # Rewards default to math-verify: the common case (GSM8K / MATH-style answers); --reward names others.
     return Task("data", train, held_out, reward="math_verify=1.0", verifier="", skipped={**skipped, **eval_skipped})
 

@@ -68,12 +68,12 @@ class ArithmeticConfig:
         n_ops = len(set(self.operations))
         space = (self.max_value - self.min_value + 1) ** self.num_operands * n_ops ** (self.num_operands - 1)
         wanted = self.num_train + self.num_eval
-        if wanted > space // 2:
+        if wanted > space:
             raise ConfigError(
                 f"--arithmetic.num-train={self.num_train} + --arithmetic.num-eval={self.num_eval} = {wanted} "
-                f"questions, but operands {self.min_value}..{self.max_value}, {self.num_operands} operands and "
-                f"operations {self.operations!r} give only ~{space} distinct questions: ask for at most half "
-                "(raise --arithmetic.max-value or lower --arithmetic.num-train)"
+                f"distinct questions, but operands {self.min_value}..{self.max_value}, {self.num_operands} operands "
+                f"and operations {self.operations!r} make at most {space}: raise --arithmetic.max-value or lower "
+                "--arithmetic.num-train"
             )
 
 

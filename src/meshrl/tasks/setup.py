@@ -9,6 +9,7 @@ reward functions that judge it — everything checked before any actor process s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,16 @@ class TaskSetup:
         """From parts made by hand (`prepare` makes them from a run config): renders both splits."""
         train = PromptSet.render(task.train, renderer, train_budget, "train")
         held_out = PromptSet.render(task.eval, renderer, eval_budget, "eval")
+        for split, what in ((train, "train"), (held_out, "eval")):
+            total = len(split) + split.dropped
+            if split.dropped >= 0.1 * total:  # a silent loss of this size would change what the run trains on
+                print(
+                    f"[meshrl] WARNING: {split.dropped} of {total} {what} prompts ({split.dropped / total:.0%}) are "
+                    f"longer than the {split.budget}-token prompt budget and were dropped; raise "
+                    "--generator.max-model-len (or lower --generator.max-tokens) to keep them",
+                    file=sys.stderr,
+                    flush=True,
+                )
         notes = [train.describe("train"), held_out.describe("eval")]
         notes += [f"skipped bad rows, {reason}: {n}" for reason, n in task.skipped.items()]
         return cls(task, renderer, train, held_out, rewards, verifier, notes)
