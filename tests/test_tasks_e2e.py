@@ -129,9 +129,9 @@ def test_eval_program_on_the_exported_model(cli_run, data_files, tmp_path):
     assert result["pass@3"] >= result["pass@1"]
 
 
-def test_python_api_rows_and_reward_functions(model_dir, tmp_path):
+def test_python_api_rows_and_reward_functions(model_dir, tmp_path, capsys):
     """main(cfg, train_rows=..., eval_rows=..., reward_fns=...) with functions that exist only in this process: a
-    closure and a function registered with @register_reward here. Both reach the reward process (they travel with
+    closure and a function registered with @register_reward here. Both reach the reward processes (they travel with
     the RewardSet) and score every sample."""
     from meshrl.config import GRPORunConfig
     from meshrl.controller import grpo
@@ -145,7 +145,7 @@ def test_python_api_rows_and_reward_functions(model_dir, tmp_path):
         return float(target in completion)
 
     argv = [*COMMON, "--model.path", model_dir, "--grpo.steps", "1", "--reward", "mentions_seven_here=0.5"]
-    argv += ["--data.prompt-field", "question"]
+    argv += ["--data.prompt-field", "question", "--scoring.num-procs", "2"]  # rows split over 2 reward processes
     argv += ["--run.output-dir", str(tmp_path), "--run.name", "py"]
     cfg = parse_run_config(GRPORunConfig, argv=argv)
     summary = grpo.main(
@@ -157,6 +157,7 @@ def test_python_api_rows_and_reward_functions(model_dir, tmp_path):
     (rl,) = [json.loads(x) for x in (tmp_path / "py" / "metrics.jsonl").read_text().splitlines() if '"rl"' in x]
     assert rl["reward_failures"] == 0
     assert {"reward/mentions_seven_here", "reward/length_is_short"} <= rl.keys()
+    assert "+ 2 reward processes" in capsys.readouterr().out
     assert summary["task"] == "data"
 
 
