@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from meshrl.advantages import compute_advantages
 from meshrl.evaluation import greedy_accuracy, summarize
+from meshrl.schedule import lr_at
 from meshrl.tasks.arithmetic import ArithmeticConfig, build_arithmetic_task
 from meshrl.tokenizer import train_bpe_tokenizer
 
@@ -171,7 +171,13 @@ def main() -> None:
     g.add_argument("--warmup-lr", type=float, default=3e-3)
     g.add_argument("--mode", choices=("rl", "sft"), default="rl", help="after the warm-up: GRPO, or more SFT")
     g.add_argument("--rl-steps", type=int, default=150, help="RL steps (--mode sft: SFT steps)")
-    g.add_argument("--lr", type=float, default=1e-3, help="RL lr (constant); --mode sft: its constant lr")
+    g.add_argument("--lr", type=float, default=1e-3, help="RL peak lr (optim.lr); --mode sft: its lr")
+    g.add_argument("--schedule", default="constant", help="RL lr schedule (optim.schedule): constant/cosine/linear")
+    g.add_argument("--rl-lr-warmup", type=int, default=0, help="linear lr warm-up steps of RL (optim.warmup_steps)")
+    g.add_argument("--beta2", type=float, default=0.999, help="AdamW beta2 of both phases (optim.betas[1])")
+    g.add_argument(
+        "--fresh-optimizer", action="store_true", help="new AdamW state for RL (diagnostic: the trainer keeps it)"
+    )
     g.add_argument("--prompts", type=int, default=64)
     g.add_argument("--group", type=int, default=8)
     g.add_argument("--max-tokens", type=int, default=8)
@@ -246,7 +252,8 @@ def main() -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         model.eval()
         greedy = texts_of(tok, sample(model, eval_prompts, max_tokens=eval_max_tokens, temperature=0.0, eos=eos), eos)
-        rec = {"step": step, "greedy": greedy_accuracy([score(fn, t, v) >= 1 for t, v in zip(greedy, eval_views)])}
+        correct = [score(fn, t, v) >= 1 for t, v in zip(greedy, eval_views, strict=True)]
+        rec = {"step": step, "greedy": greedy_accuracy(correct)}
         if a.eval_samples:
             k = a.eval_samples
             egen = torch.Generator(a.device).manual_seed(eval_gen_seed)
@@ -274,9 +281,18 @@ def main() -> None:
             s += f"  mean@{k} {rec[f'mean@{k}']:.3f}  pass@{k} {rec[f'pass@{k}']:.3f}"
         return s
 
-    opt = torch.optim.AdamW(model.parameters(), lr=a.warmup_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    def new_optimizer():
+        return torch.optim.AdamW(model.parameters(), lr=a.warmup_lr, betas=(0.9, a.beta2), eps=1e-8, weight_decay=0.0)
 
-    def sft_step(lr: float) -> float:
+    opt = new_optimizer()
+    grad_norms: dict[str, list[float]] = {"warmup": [], "rl": []}
+
+    def clip_and_step(phase: str) -> None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip if a.grad_clip else float("inf"))
+        grad_norms[phase].append(float(norm))
+        opt.step()
+
+    def sft_step(lr: float, phase_is_warmup: bool = True) -> float:
         for grp in opt.param_groups:
             grp["lr"] = lr
         idx = rng.sample(range(len(task.train)), a.warmup_batch)
@@ -287,32 +303,37 @@ def main() -> None:
         loss = -(lp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
-        if a.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        opt.step()
+        clip_and_step("warmup" if phase_is_warmup else "rl")
         return loss.item()
 
     t0, c0 = time.perf_counter(), time.process_time()
     loss = float("nan")
     for step in range(a.warmup_steps):
         # the trainer's schedule: cosine from the peak to 10 % (meshrl.schedule.lr_at, min_lr_ratio=0.1)
-        lr = a.warmup_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.warmup_steps)))
+        lr = lr_at(step, peak_lr=a.warmup_lr, total_steps=a.warmup_steps, schedule="cosine", min_lr_ratio=0.1)
         loss = sft_step(lr)
     timing["warmup"] = time.perf_counter() - t0
     cpu["warmup"] = time.process_time() - c0
     curve = [evaluate(0)]
-    print(f"warm-up {a.warmup_steps} steps (loss {loss:.3f}, {timing['warmup']:.0f}s): {fmt(curve[0])}", flush=True)
+    gw = statistics.fmean(grad_norms["warmup"][-10:]) if grad_norms["warmup"] else float("nan")
+    print(
+        f"warm-up {a.warmup_steps} steps (loss {loss:.3f}, |g| {gw:.2f}, {timing['warmup']:.0f}s): {fmt(curve[0])}",
+        flush=True,
+    )
     print(f"   e.g. {curve[0]['example']}", flush=True)
 
+    if a.fresh_optimizer:
+        opt = new_optimizer()
     rewards_per_step: list[float] = []
     lengths: list[float] = []
     for step in range(a.rl_steps):
         t0, c0 = time.perf_counter(), time.process_time()
+        lr = lr_at(step, peak_lr=a.lr, total_steps=a.rl_steps, schedule=a.schedule, warmup_steps=a.rl_lr_warmup)
         if a.mode == "sft":
-            rewards_per_step.append(-sft_step(a.lr))
+            rewards_per_step.append(-sft_step(lr, phase_is_warmup=False))
         else:
             for grp in opt.param_groups:
-                grp["lr"] = a.lr
+                grp["lr"] = lr
             idx = rng.sample(range(len(task.train)), a.prompts)
             prompts = [train_prompts[i] for i in idx for _ in range(a.group)]
             views = [train_views[i] for i in idx for _ in range(a.group)]
@@ -329,9 +350,7 @@ def main() -> None:
             loss = -(lp * mask * adv[:, None]).sum() / mask.sum()
             opt.zero_grad()
             loss.backward()
-            if a.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-            opt.step()
+            clip_and_step("rl")
             rewards_per_step.append(statistics.fmean(rewards))
             lengths.append(statistics.fmean(map(len, comps)))
         timing["rl"] += time.perf_counter() - t0
@@ -339,8 +358,11 @@ def main() -> None:
         if (step + 1) % a.eval_every == 0 or step + 1 == a.rl_steps:
             curve.append(evaluate(step + 1))
             what = "reward" if a.mode == "rl" else "-loss"
+            curve[-1]["reward"] = statistics.fmean(rewards_per_step[-10:])
+            curve[-1]["grad_norm"] = statistics.fmean(grad_norms["rl"][-10:])
             print(
                 f"step {step + 1}: {what}(last 10) {statistics.fmean(rewards_per_step[-10:]):.3f}  {fmt(curve[-1])}"
+                f"  |g| {curve[-1]['grad_norm']:.2f}"
                 f"  ({time.perf_counter() - t_start:.0f}s)",
                 flush=True,
             )
@@ -360,12 +382,16 @@ def main() -> None:
         before={k: v for k, v in before.items() if k != "example"},
         after={k: v for k, v in after.items() if k != "example"},
         curve=[{k: v for k, v in c.items() if k != "example"} for c in curve],
+        grad_norm_warmup_last10=statistics.fmean(grad_norms["warmup"][-10:]) if grad_norms["warmup"] else None,
+        grad_norm_rl_first10=statistics.fmean(grad_norms["rl"][:10]) if grad_norms["rl"] else None,
         timing=timing,
         cpu_timing=cpu,
         seconds=time.perf_counter() - t_start,
         cpu_seconds=time.process_time() - cpu_start,
     )
-    print(f"\n| step | greedy | mean@{a.eval_samples} | pass@{a.eval_samples} | wall s |\n| --- | --- | --- | --- | --- |")
+    print(
+        f"\n| step | greedy | mean@{a.eval_samples} | pass@{a.eval_samples} | wall s |\n| --- | --- | --- | --- | --- |"
+    )
     for c in curve:
         k = a.eval_samples
         print(

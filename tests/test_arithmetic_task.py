@@ -88,7 +88,9 @@ def test_meshrl_math_verify_reward_scores_demonstrations():
     fn = rewards.REWARD_FNS.get("math_verify")
     if fn is None:
         pytest.skip("meshrl.rewards has no math_verify reward")
-    task = build_arithmetic_task(ArithmeticConfig(num_train=50, num_eval=10, num_operands=3, max_value=20, show_work=True))
+    task = build_arithmetic_task(
+        ArithmeticConfig(num_train=50, num_eval=10, num_operands=3, max_value=20, show_work=True)
+    )
     for row in task.train[:10]:
         view = row.verifier_view()
         value = row.info["solution"]
