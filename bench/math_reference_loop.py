@@ -227,6 +227,8 @@ def main() -> None:
     demos = [tok(r.answer, add_special_tokens=False)["input_ids"] + [eos] for r in task.train]
     train_views = [r.verifier_view() for r in task.train]
     eval_views = [r.verifier_view() for r in task.eval]
+    # difficulty of a held-out question: the digits of its longest operand
+    eval_digits = [max(len(t) for t in r.prompt[len("What is ") : -1].split()[::2]) for r in task.eval]
     fn, fn_name = reward_fn(a.reward_impl)
     eval_max_tokens = a.eval_max_tokens or a.max_tokens
     longest_demo = max(map(len, demos))
@@ -254,6 +256,10 @@ def main() -> None:
         greedy = texts_of(tok, sample(model, eval_prompts, max_tokens=eval_max_tokens, temperature=0.0, eos=eos), eos)
         correct = [score(fn, t, v) >= 1 for t, v in zip(greedy, eval_views, strict=True)]
         rec = {"step": step, "greedy": greedy_accuracy(correct)}
+        by_digits: dict[int, list[bool]] = {}
+        for d, c in zip(eval_digits, correct, strict=True):
+            by_digits.setdefault(d, []).append(c)
+        rec["greedy_by_digits"] = {d: round(greedy_accuracy(v), 3) for d, v in sorted(by_digits.items())}
         if a.eval_samples:
             k = a.eval_samples
             egen = torch.Generator(a.device).manual_seed(eval_gen_seed)
@@ -275,7 +281,7 @@ def main() -> None:
         return rec
 
     def fmt(rec: dict) -> str:
-        s = f"greedy {rec['greedy']:.3f}"
+        s = f"greedy {rec['greedy']:.3f} {rec['greedy_by_digits']}"
         if a.eval_samples:
             k = a.eval_samples
             s += f"  mean@{k} {rec[f'mean@{k}']:.3f}  pass@{k} {rec[f'pass@{k}']:.3f}"

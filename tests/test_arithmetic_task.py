@@ -60,7 +60,7 @@ def test_held_out_disjoint_and_independent_of_train_size():
     [
         ArithmeticConfig(num_train=200, num_eval=40, seed=1),
         ArithmeticConfig(num_train=200, num_eval=40, seed=2, operations="+-*", allow_negative=True),
-        ArithmeticConfig(num_train=200, num_eval=40, seed=3, num_operands=3, max_value=20, show_work=True),
+        ArithmeticConfig(num_train=200, num_eval=40, seed=3, num_operands=3, max_value=30, show_work=True),
         ArithmeticConfig(num_train=200, num_eval=40, seed=4, operations="-", num_operands=3, allow_negative=True),
     ],
     ids=["add_sub", "negative_mul", "three_show_work", "three_negative"],
@@ -89,7 +89,7 @@ def test_meshrl_math_verify_reward_scores_demonstrations():
     if fn is None:
         pytest.skip("meshrl.rewards has no math_verify reward")
     task = build_arithmetic_task(
-        ArithmeticConfig(num_train=50, num_eval=10, num_operands=3, max_value=20, show_work=True)
+        ArithmeticConfig(num_train=50, num_eval=10, num_operands=3, max_value=30, show_work=True)
     )
     for row in task.train[:10]:
         view = row.verifier_view()

@@ -172,3 +172,23 @@ def test_unknown_reward_fails_at_launch_naming_it(model_dir, tmp_path):
     assert proc.returncode != 0
     assert "no_such_module_xyz" in proc.stderr and "PYTHONPATH" in proc.stderr, proc.stderr[-2000:]
     assert "trainer processes" not in proc.stdout  # refused before any process started
+
+
+def test_tiny_math_preset_from_a_new_model(tmp_path):
+    """The tiny-math preset's path, shortened: the program trains a BPE tokenizer with a chat template on the task's
+    rows, makes a new random model with it, warms up on '\\boxed{}' demonstrations and runs GRPO on math-verify."""
+    from meshrl.config import GRPORunConfig
+    from meshrl.controller import grpo
+    from meshrl.controller.cli import parse_run_config
+
+    argv = ["--preset", "tiny-math", "--arithmetic.num-train", "300", "--arithmetic.num-eval", "8"]
+    argv += ["--warmup.steps", "3", "--warmup.batch-size", "16", "--grpo.steps", "1", "--grpo.prompts-per-step", "4"]
+    argv += ["--trainer.micro-batch-size", "16", "--eval.samples", "2", "--run.output-dir", str(tmp_path)]
+    summary = grpo.main(parse_run_config(GRPORunConfig, argv=argv + ["--run.name", "m", "--run.call-timeout-s", "180"]))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m" / "base_model")
+    assert tok.chat_template and tok.eos_token == "<|im_end|>" and len(tok) <= 512
+    assert summary["task"] == "arithmetic" and {"mean@2", "pass@2"} <= summary["eval_after_rl"].keys()
+    records = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in records].count("warmup") == 3 and "reward/math_verify" in records[-2]

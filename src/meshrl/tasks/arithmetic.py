@@ -39,11 +39,12 @@ class ArithmeticConfig:
     min_value: int = 0
     """Smallest operand."""
     max_value: int = 99
-    """Largest operand (99: two-digit numbers)."""
+    """Largest operand (99: numbers of up to two digits, drawn uniformly, so nine in ten have two)."""
     num_operands: int = 2
     """Operands per question (2: 'a + b'; 3: 'a + b - c', evaluated left to right)."""
     allow_negative: bool = False
-    """Allow negative results; when False a subtraction never goes below zero (its operands are swapped)."""
+    """Allow negative results; when False a subtraction never goes below zero (its operands are swapped, or the
+    subtrahend redrawn)."""
     show_work: bool = False
     """Demonstrations write the computation before the answer ('23 + 58 = 81. \\boxed{81}'); otherwise the
     answer alone ('\\boxed{81}')."""
@@ -66,14 +67,15 @@ class ArithmeticConfig:
         if not 2 <= self.num_operands <= 4:
             raise ConfigError(f"--arithmetic.num-operands={self.num_operands} must be 2, 3 or 4")
         n_ops = len(set(self.operations))
-        space = (self.max_value - self.min_value + 1) ** self.num_operands * n_ops ** (self.num_operands - 1)
+        values = self.max_value - self.min_value + 1
+        space = values**self.num_operands * n_ops ** (self.num_operands - 1)
         wanted = self.num_train + self.num_eval
         if wanted > space:
             raise ConfigError(
                 f"--arithmetic.num-train={self.num_train} + --arithmetic.num-eval={self.num_eval} = {wanted} "
-                f"distinct questions, but operands {self.min_value}..{self.max_value}, {self.num_operands} operands "
-                f"and operations {self.operations!r} make at most {space}: raise --arithmetic.max-value or lower "
-                "--arithmetic.num-train"
+                f"distinct questions, but operands {self.min_value}..{self.max_value}, {self.num_operands} "
+                f"operands and operations {self.operations!r} make at most {space}: raise --arithmetic.max-value "
+                "or lower --arithmetic.num-train"
             )
 
 
