@@ -59,15 +59,16 @@ def plot_rewards(records: list[dict[str, Any]], path: Path, title: str = "GRPO r
         steps,
         [m - s for m, s in zip(mean, std, strict=True)],
         [m + s for m, s in zip(mean, std, strict=True)],
-        alpha=0.2,
-        label="± std",
+        alpha=0.12,
+        label="± std (samples)",
     )
     # Held-out evaluation (before RL at step 0, every eval.every steps, after RL) next to the training reward.
     evals = [r for r in records if r.get("phase") == "eval" and "accuracy" in r]
     if evals:
         x = [r.get("step", 0) for r in evals]
         ax.plot(x, [r["accuracy"] for r in evals], "o-", label="held-out greedy accuracy")
-        for key in sorted({k for r in evals for k in r if k.startswith(("mean@", "pass@"))}):
+        # pass@1 (unbiased, from k samples) is mean@k by definition: one line, not two.
+        for key in sorted({k for r in evals for k in r if k.startswith(("mean@", "pass@")) and k != "pass@1"}):
             pts = [(r.get("step", 0), r[key]) for r in evals if key in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--", label=f"held-out {key}", alpha=0.8)
     ax.set_xlabel("RL step")
