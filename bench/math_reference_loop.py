@@ -165,6 +165,12 @@ def main() -> None:
     g.add_argument("--layers", type=int, default=2)
     g.add_argument("--hidden", type=int, default=128)
     g.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size (model.bpe_vocab_size)")
+    g.add_argument(
+        "--bpe-role-names",
+        action="store_true",
+        help="also train the BPE on the chat roles ('user', 'assistant'): prompts ~10 tokens shorter (not what "
+        "meshrl.tasks.setup.new_model_tokenizer does today)",
+    )
     g = ap.add_argument_group("warm-up and RL")
     g.add_argument("--warmup-steps", type=int, default=60)
     g.add_argument("--warmup-batch", type=int, default=64)
@@ -213,7 +219,10 @@ def main() -> None:
         )
     )
     # The tokenizer of a new model: BPE on the training rows' prompts and answers (tasks.setup.new_model_tokenizer).
-    tok = train_bpe_tokenizer([r.prompt for r in task.train] + [r.answer for r in task.train], vocab_size=a.vocab)
+    texts = [r.prompt for r in task.train] + [r.answer for r in task.train]
+    if a.bpe_role_names:
+        texts += ["user\n", "assistant\n"] * 10
+    tok = train_bpe_tokenizer(texts, vocab_size=a.vocab)
     eos, pad = tok.eos_token_id, tok.pad_token_id
 
     def render(row) -> list[int]:
@@ -249,6 +258,7 @@ def main() -> None:
     )
     timing = {"warmup": 0.0, "rl": 0.0, "eval": 0.0}  # wall seconds per phase
     cpu = {"warmup": 0.0, "rl": 0.0, "eval": 0.0}  # this process's CPU seconds (= wall on an idle machine, 1 thread)
+    rl_parts = {"sample": 0.0, "reward": 0.0, "train": 0.0}  # CPU seconds of the RL steps, by part
 
     def evaluate(step: int) -> dict:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -344,8 +354,13 @@ def main() -> None:
             prompts = [train_prompts[i] for i in idx for _ in range(a.group)]
             views = [train_views[i] for i in idx for _ in range(a.group)]
             model.eval()
+            c1 = time.process_time()
             comps = sample(model, prompts, max_tokens=a.max_tokens, temperature=a.temperature, eos=eos, gen=gen)
+            c2 = time.process_time()
             rewards = [score(fn, t, v) for t, v in zip(texts_of(tok, comps, eos), views, strict=True)]
+            c3 = time.process_time()
+            rl_parts["sample"] += c2 - c1
+            rl_parts["reward"] += c3 - c2
             adv = torch.tensor(
                 compute_advantages(a.advantage, rewards, a.group), dtype=torch.float32, device=model.device
             )
@@ -357,6 +372,7 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             clip_and_step("rl")
+            rl_parts["train"] += time.process_time() - c3
             rewards_per_step.append(statistics.fmean(rewards))
             lengths.append(statistics.fmean(map(len, comps)))
         timing["rl"] += time.perf_counter() - t0
@@ -392,6 +408,7 @@ def main() -> None:
         grad_norm_rl_first10=statistics.fmean(grad_norms["rl"][:10]) if grad_norms["rl"] else None,
         timing=timing,
         cpu_timing=cpu,
+        rl_cpu_parts=rl_parts,
         seconds=time.perf_counter() - t_start,
         cpu_seconds=time.process_time() - cpu_start,
     )
@@ -412,7 +429,8 @@ def main() -> None:
             else ""
         )
         + f"; {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s cpu "
-        + f" (cpu: warm-up {cpu['warmup']:.0f}, rl {cpu['rl']:.0f}, eval {cpu['eval']:.0f})"
+        + f" (cpu: warm-up {cpu['warmup']:.0f}, rl {cpu['rl']:.0f} = sample {rl_parts['sample']:.0f} + reward "
+        f"{rl_parts['reward']:.0f} + train {rl_parts['train']:.0f}, eval {cpu['eval']:.0f})"
     )
     if a.out:
         with open(a.out, "a") as f:
