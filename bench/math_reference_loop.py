@@ -10,7 +10,9 @@ math-verify reward, and held-out greedy accuracy, mean@k and pass@k before RL an
 `--mode sft` continues the supervised warm-up instead of RL (same evaluation, same wall-clock accounting): the
 baseline that says whether RL adds anything over more SFT.
 
-    .venv/bin/python bench/math_reference_loop.py --warmup-steps 60 --rl-steps 150 --out bench/results/math.jsonl
+    .venv/bin/python bench/math_reference_loop.py --seed 1 --out /tmp/math.jsonl     # the chosen recipe (defaults)
+
+Defaults are the recipe of bench/MATH_NOTES.md.
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ def texts_of(tok, comps: list[list[int]], eos: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("task (meshrl.tasks.arithmetic.ArithmeticConfig)")
-    g.add_argument("--num-train", type=int, default=5000)
-    g.add_argument("--num-eval", type=int, default=200)
+    g.add_argument("--num-train", type=int, default=14000)
+    g.add_argument("--num-eval", type=int, default=500)
     g.add_argument("--task-seed", type=int, default=1234)
     g.add_argument("--operations", default="+-")
     g.add_argument("--min-value", type=int, default=0)
@@ -172,26 +174,26 @@ def main() -> None:
         "meshrl.tasks.setup.new_model_tokenizer does today)",
     )
     g = ap.add_argument_group("warm-up and RL")
-    g.add_argument("--warmup-steps", type=int, default=60)
+    g.add_argument("--warmup-steps", type=int, default=800)
     g.add_argument("--warmup-batch", type=int, default=64)
-    g.add_argument("--warmup-lr", type=float, default=3e-3)
+    g.add_argument("--warmup-lr", type=float, default=1e-3)
     g.add_argument("--mode", choices=("rl", "sft"), default="rl", help="after the warm-up: GRPO, or more SFT")
-    g.add_argument("--rl-steps", type=int, default=150, help="RL steps (--mode sft: SFT steps)")
-    g.add_argument("--lr", type=float, default=1e-3, help="RL peak lr (optim.lr); --mode sft: its lr")
+    g.add_argument("--rl-steps", type=int, default=200, help="RL steps (--mode sft: SFT steps)")
+    g.add_argument("--lr", type=float, default=2e-4, help="RL peak lr (optim.lr); --mode sft: its lr")
     g.add_argument("--schedule", default="constant", help="RL lr schedule (optim.schedule): constant/cosine/linear")
     g.add_argument("--rl-lr-warmup", type=int, default=0, help="linear lr warm-up steps of RL (optim.warmup_steps)")
-    g.add_argument("--beta2", type=float, default=0.999, help="AdamW beta2 of both phases (optim.betas[1])")
+    g.add_argument("--beta2", type=float, default=0.99, help="AdamW beta2 of both phases (optim.betas[1])")
     g.add_argument(
         "--fresh-optimizer", action="store_true", help="new AdamW state for RL (diagnostic: the trainer keeps it)"
     )
-    g.add_argument("--prompts", type=int, default=64)
+    g.add_argument("--prompts", type=int, default=128)
     g.add_argument("--group", type=int, default=8)
     g.add_argument("--max-tokens", type=int, default=8)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--advantage", default="group_mean_std")
     g.add_argument("--grad-clip", type=float, default=1.0)
     g = ap.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=25)
+    g.add_argument("--eval-every", type=int, default=50)
     g.add_argument("--eval-samples", type=int, default=8, help="k of mean@k / pass@k (0: greedy only)")
     g.add_argument("--eval-max-tokens", type=int, default=0, help="0: --max-tokens")
     g = ap.add_argument_group("run")
