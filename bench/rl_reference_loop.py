@@ -17,7 +17,7 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from math_reference_loop import sample  # the one KV-cached sampler of both reference loops (bench/ is on sys.path)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from meshrl.advantages import compute_advantages
@@ -59,37 +59,6 @@ def build_model(vocab: int, tok, *, layers: int, hidden: int, seed: int) -> Qwen
         pad_token_id=tok.pad_id,
     )
     return Qwen3ForCausalLM(cfg)
-
-
-@torch.no_grad()
-def sample(model, prompts: list[list[int]], *, max_tokens: int, temperature: float, eos: int) -> list[list[int]]:
-    """Completions (ending at EOS or max_tokens) for each prompt; prompts of one length run as one batch."""
-    out: list[list[int] | None] = [None] * len(prompts)
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for idx in by_len.values():
-        ids = torch.tensor([prompts[i] for i in idx])
-        res = model(ids, use_cache=True)
-        cache, logits = res.past_key_values, res.logits[:, -1]
-        toks = []
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        for _ in range(max_tokens):
-            if temperature == 0:
-                nxt = logits.argmax(-1)
-            else:
-                nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1).squeeze(-1)
-            toks.append(torch.where(done, torch.full_like(nxt, eos), nxt))
-            done |= nxt == eos
-            if done.all():
-                break
-            res = model(nxt[:, None], past_key_values=cache, use_cache=True)
-            cache, logits = res.past_key_values, res.logits[:, -1]
-        rows = torch.stack(toks, 1).tolist()
-        for j, i in enumerate(idx):
-            row = rows[j]
-            out[i] = row[: row.index(eos) + 1] if eos in row else row
-    return out  # type: ignore[return-value]
 
 
 def token_logprobs(model, seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,7 +68,7 @@ class Pending(Generic[T]):
         return self._value
 
 
-def _pad_id(tokenizer: Any, model_dir: str) -> int:
+def padding_id(tokenizer: Any, model_dir: str) -> int:
     """The padding id: the given tokenizer's (a transformers tokenizer or meshrl's CharTokenizer), else the model
     directory's tokenizer's, else its EOS (padding is never a target, any id in the vocabulary does)."""
     if tokenizer is None:
@@ -141,7 +141,7 @@ class Controller:
             rewards = RewardSet(dict(rewards))  # resolves every name now: a bad one fails before any spawn
         self.model_dir, self.generator_cfg, self.timeout_s = str(model_dir), generator_cfg, call_timeout_s
         self.model_cfg, self.trainer_cfg = model_cfg, trainer_cfg
-        pad_id = _pad_id(tokenizer, self.model_dir)
+        pad_id = padding_id(tokenizer, self.model_dir)
         self._model_args = (model_cfg, trainer_cfg, pad_id)  # for a ReferenceModel started later
         self.reference, self.reference_procs = None, 0
         # Monarch's default reaction to a dead actor process is to exit the controller (KeyboardInterrupt in the

@@ -40,9 +40,7 @@ def main(
     else:
         task = build_task(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
-    setup = TaskSetup.prepare(
-        cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens, trains=False
-    )
+    setup = TaskSetup.prepare(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
     print(
         f"[meshrl] evaluating {cfg.model.path} on task {task.name}: {setup.eval.describe('eval')}; correct = "
         f"{setup.verifier} >= 1; {cfg.generator.num_replicas} generator + {cfg.scoring.num_procs} reward processes",

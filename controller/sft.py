@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from meshrl.config import EvalConfig, SFTRunConfig
-from meshrl.controller.api import Controller, _pad_id
+from meshrl.controller.api import Controller, padding_id
 from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
 from meshrl.models.hf_config import max_positions
@@ -93,7 +93,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         total = min(total, math.ceil(cfg.sft.max_epochs * steps_per_epoch))
     dp, micro = cfg.trainer.num_procs, cfg.trainer.micro_batch_size
     pack_len = cfg.data.pack_len or cfg.data.max_seq_len or max_positions(read_hf_config(model_dir))
-    pad_id = _pad_id(tokenizer, model_dir)
+    pad_id = padding_id(tokenizer, model_dir)
     print(
         f"[meshrl] SFT: {len(train)} train rows, {len(held_out) if held_out else 0} eval rows, {total} steps "
         f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}"

@@ -57,11 +57,16 @@ def max_positions(cfg: Mapping[str, Any] | Any, default: int | None = None) -> i
     )
 
 
+class NotACheckpointError(ConfigError, FileNotFoundError):
+    """A model path without config.json: a config error for the user, a missing file for file-handling code."""
+
+
 def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json of an HF checkpoint directory (the one reader: meshrl.models.qwen3.read_hf_config is this)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(
-            f"{path} not found: the model must be an HF-format checkpoint directory "
+        raise NotACheckpointError(
+            f"{path} not found: model.path must be an HF-format checkpoint directory "
             "(config.json, *.safetensors, tokenizer files)"
         )
     return json.loads(path.read_text())

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from meshrl.models.hf_config import max_positions
+from meshrl.models.hf_config import read_config as read_hf_config  # noqa: F401 - public here too
 
 # The HF config of the 'tiny' CPU flavor; vocab_size comes from the task's tokenizer.
 TINY_HF_CONFIG: dict[str, Any] = dict(
@@ -128,16 +129,6 @@ def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
     elif attn_backend != "flex":
         raise ValueError(f"attn_backend={attn_backend!r}; use 'sdpa' or 'flex'")
     return cfg
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(
-            f"{cfg_path} not found: model.path must be an HF-format checkpoint directory "
-            "(config.json, model.safetensors, tokenizer files)"
-        )
-    return json.loads(cfg_path.read_text())
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -103,15 +103,11 @@ class TaskSetup:
         *,
         reward_fns: Mapping[str, Callable] | None = None,
         eval_max_tokens: int | None = None,
-        trains: bool = True,
     ) -> TaskSetup:
-        """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval sections.
-        `trains`: a trainer will load the model (its backend must support the architecture)."""
-        from meshrl.models.hf_config import check_backend_supports
+        """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval sections. The
+        model directory and its trainer backend are checked before this, first thing (`check_model_dir`)."""
         from meshrl.rewards import RewardSet
 
-        if trains:
-            check_backend_supports(str(model_dir), cfg.model.backend)
         renderer = Renderer.from_model_dir(model_dir, cfg.render)
         check_tokenizer_fits(renderer, model_dir)
         given = getattr(cfg, "reward", None)  # SFT runs evaluate with the task's own rewards
@@ -180,9 +176,9 @@ class TaskSetup:
 
 def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
     """A tokenizer whose ids run past the model's vocabulary belongs to another model: refuse at launch."""
-    from meshrl.models.qwen3 import read_hf_config
+    from meshrl.models.hf_config import read_config
 
-    hf = read_hf_config(model_dir)
+    hf = read_config(model_dir)
     vocab = hf.get("vocab_size")
     n = len(renderer.tokenizer)
     if isinstance(vocab, int) and n > vocab:
