@@ -28,7 +28,7 @@ def parse_run_config(
 
         presets = presets_for(cls)
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _env_shorthand(list(sys.argv[1:] if argv is None else argv), cls)
     preset = default_preset
     while "--preset" in args:
         i = args.index("--preset")
@@ -49,6 +49,22 @@ def parse_run_config(
         )
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def _env_shorthand(args: list[str], cls: type) -> list[str]:
+    """`--env NAME` is `--env.name NAME` (the environment section's other fields stay `--env.max-turns` ...)."""
+    if "env" not in getattr(cls, "__dataclass_fields__", {}):
+        return args
+    out = []
+    for i, a in enumerate(args):
+        if a == "--env" and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append("--env.name")
+        elif a.startswith("--env="):
+            out += ["--env.name", a.split("=", 1)[1]]
+            continue
+        else:
+            out.append(a)
+    return out
 
 
 def _first_line(fn: object) -> str:

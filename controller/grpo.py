@@ -32,6 +32,7 @@ from meshrl.algorithms import kl_penalties, step_loss_spec
 from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig
 from meshrl.controller.api import Controller
+from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.steps import (
     RunCheckpoints,
     RunFailedError,
@@ -68,26 +69,31 @@ def rl_step(
     rng: random.Random,
     sampling: SamplingParams,
     step: int,
+    episodes: EpisodeRollout | None = None,
 ) -> dict:
-    """One RL step, sampling through training and weight sync; returns its metrics record."""
+    """One RL step, sampling through training and weight sync; returns its metrics record. With `episodes` (an
+    environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
-    batch = sample_groups(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
-    if not batch.completions:  # dynamic sampling found no group with a learning signal
+    sample = sample_groups if episodes is None else episodes.sample
+    batch = sample(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+    if batch.empty:  # dynamic sampling found no group with a learning signal
         return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
-    completions, rewards = batch.completions, batch.rewards
-    data = [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in completions]
+    rewards = batch.rewards
+    data = batch.datums()
     if ctl.reference is not None:
         attach_reference_logprobs(ctl, data, cfg.trainer.micro_batch_size, cfg.generator.temperature)
         if cfg.grpo.kl_mode == "reward":
             kl = kl_penalties(data, cfg.grpo.kl_estimator)
             rewards = [r - cfg.grpo.kl_coef * k for r, k in zip(rewards, kl, strict=True)]
-    for d, a in zip(data, compute_advantages(cfg.grpo.advantage, rewards, g), strict=True):
+    advantages = compute_advantages(cfg.grpo.advantage, rewards, g, turn_rewards=batch.turn_rewards())
+    for d, a in zip(data, advantages, strict=True):  # an episode's advantage on every one of its model tokens
         d.advantage = a
     t2 = time.perf_counter()
 
     # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
-    loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=cfg.generator.max_tokens)
+    max_tokens = cfg.generator.max_tokens if episodes is None else episodes.max_model_tokens
+    loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=max_tokens)
     lr = lr_at(
         step,
         peak_lr=cfg.optim.lr,
@@ -131,7 +137,8 @@ def rl_step(
         **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
         "logprob_diff_mean": mismatch_mean,
         "logprob_diff_max": mismatch_max,
-        "completion_len_mean": statistics.fmean(len(c.token_ids) for c in completions),
+        "completion_len_mean": statistics.fmean(batch.lengths()),  # model tokens per completion / episode
+        **batch.metrics,  # episodes: turns, tool calls, environment time and failures, finish reasons
         "groups_trained": len(batch.rows),
         "groups_dropped": batch.groups_dropped,
         "prompts_drawn": batch.prompts_drawn,
@@ -183,12 +190,19 @@ def main(
     task = build_task(cfg, train_rows=train_rows, eval_rows=eval_rows)
     model_dir = ensure_model(cfg, task, run.path)
     eval_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
-    setup = TaskSetup.prepare(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
+    episodes = None  # single completions scored by reward processes, or episodes of an environment
+    if cfg.env.name:
+        setup = TaskSetup.prepare_episodes(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
+        episodes = EpisodeRollout(
+            cfg.env, setup, max_model_len=cfg.generator.max_model_len, turn_max_tokens=cfg.generator.max_tokens
+        )
+    else:
+        setup = TaskSetup.prepare(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
     print(
         f"[meshrl] run dir {run.path}\n[meshrl] task {task.name}: {'; '.join(setup.notes)}\n"
         f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"
         f"[meshrl] starting {cfg.trainer.num_procs} trainer + {cfg.generator.num_replicas} generator + "
-        f"{cfg.scoring.num_procs} reward processes from {model_dir}"
+        f"{0 if episodes else cfg.scoring.num_procs} reward processes from {model_dir}"
     )
     sampling = SamplingParams(
         max_tokens=cfg.generator.max_tokens,
@@ -203,7 +217,7 @@ def main(
     ckpts = RunCheckpoints("grpo", run, cfg)
 
     def run_eval(when: str, step: int) -> dict:
-        record = evaluate(
+        record = (evaluate if episodes is None else episodes.evaluate)(
             ctl, setup, cfg.eval, max_tokens=eval_tokens, temperature=cfg.generator.temperature,
             top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
         )  # fmt: skip
@@ -246,6 +260,7 @@ def main(
                     seed=cfg.run.seed,
                     max_len=cfg.generator.max_model_len,
                     log=run.log,
+                    demos=None if episodes is None else episodes.demonstrations(setup, cfg.generator.max_model_len),
                 )
                 ctl.sync_weights()
             ref_dir = None
@@ -267,7 +282,7 @@ def main(
 
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step)
+            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes)
             run.log(record)
             if record["phase"] == "rl":
                 warn_on_logprob_gap(record)

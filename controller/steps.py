@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -116,22 +116,32 @@ def _prompt_text(prompt: Any) -> str:
 
 
 def supervised_warmup(
-    ctl: Controller, setup: TaskSetup, cfg, *, micro_batch_size: int, optim, seed: int, max_len: int, log
+    ctl: Controller,
+    setup: TaskSetup,
+    cfg,
+    *,
+    micro_batch_size: int,
+    optim,
+    seed: int,
+    max_len: int,
+    log,
+    demos: list[Datum] | None = None,
 ) -> None:
     """A short cross-entropy phase on the task's reference answers, rendered like the RL prompts (a completion
     the generator would sample), through the same forward_backward / optim_step endpoints as RL (the loss on
     response tokens only)."""
     from tqdm import tqdm
 
-    rows, demos = setup.demonstrations(max_len)
-    if len(rows) < cfg.batch_size:
+    if demos is None:  # `demos`: given by a multi-turn run (whole demonstrated episodes)
+        demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
+    if len(demos) < cfg.batch_size:
         raise ConfigError(
-            f"warmup.batch_size={cfg.batch_size}, but only {len(rows)} training rows have a reference answer that fits "
-            f"in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
+            f"warmup.batch_size={cfg.batch_size}, but only {len(demos)} training rows have a reference answer that "
+            f"fits in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
         )
     rng = random.Random(seed)
     for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
-        data = [Datum.from_completion(*demos[i]) for i in rng.sample(range(len(rows)), cfg.batch_size)]
+        data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
         params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
@@ -276,6 +286,28 @@ class SampledGroups:
     groups_dropped: int
     time_generate_s: float
     time_score_s: float
+    # Multi-turn runs (controller/episodes.py): the kept episodes in place of `completions`, and their metrics.
+    episodes: list[Any] = field(default_factory=list)  # meshrl.envs.rollout.Episode
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.completions or self.episodes)
+
+    def datums(self) -> list[Datum]:
+        """One training sequence per completion (loss on it) or per episode (loss on the model's turns)."""
+        if self.episodes:
+            return [e.tokens.datum() for e in self.episodes]
+        return [Datum.from_completion(c.prompt_ids, c.token_ids, c.logprobs) for c in self.completions]
+
+    def lengths(self) -> list[int]:
+        """Model tokens per completion / episode."""
+        if self.episodes:
+            return [e.tokens.num_model_tokens for e in self.episodes]
+        return [len(c.token_ids) for c in self.completions]
+
+    def turn_rewards(self) -> list[list[float]] | None:
+        return [list(e.outcome.turn_rewards) for e in self.episodes] if self.episodes else None
 
 
 def sample_groups(

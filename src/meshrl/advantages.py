@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -75,7 +76,15 @@ def reinforce_pp_advantages(rewards: list[float], group_size: int, eps: float = 
     return ((a - a.mean()) / (a.std(unbiased=True) + eps)).tolist()
 
 
-def compute_advantages(name: str, rewards: list[float], group_size: int) -> list[float]:
+def compute_advantages(
+    name: str, rewards: list[float], group_size: int, *, turn_rewards: list[list[float]] | None = None
+) -> list[float]:
+    """One advantage per completion (or episode: every model token of an episode gets the episode's). A
+    registered function that takes a `turn_rewards` keyword also gets each episode's per-turn rewards (multi-turn
+    runs; None for single completions)."""
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; use one of {sorted(ADVANTAGES)}")
-    return ADVANTAGES[name](rewards, group_size)
+    fn = ADVANTAGES[name]
+    if "turn_rewards" in inspect.signature(fn).parameters:
+        return fn(rewards, group_size, turn_rewards=turn_rewards)
+    return fn(rewards, group_size)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from meshrl.data.prompts import DataConfig
+from meshrl.envs import EnvConfig
 from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
 from meshrl.render import RenderConfig
 from meshrl.rewards import ScoringConfig
@@ -505,6 +506,7 @@ class GRPORunConfig:
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -512,6 +514,18 @@ class GRPORunConfig:
 
     def __post_init__(self) -> None:
         check_precision(self.model, self.trainer)
+        if self.env.name is not None:
+            limit = self.generator.max_model_len
+            if self.env.max_tokens is not None and self.env.max_tokens > limit:
+                raise ConfigError(
+                    f"env.max_tokens={self.env.max_tokens} is over generator.max_model_len={limit}: an episode must "
+                    "fit the generator's context; raise --generator.max-model-len or lower --env.max-tokens"
+                )
+            if self.reward is not None:
+                raise ConfigError(
+                    f"--reward {self.reward!r} with --env {self.env.name}: an environment gives its episodes' "
+                    "rewards itself; drop --reward (or score inside the environment's step)"
+                )
         check_weight_sync(self.trainer, self.generator)
         validate_batch_arithmetic(
             global_batch_size=self.grpo.global_batch_size,
@@ -532,7 +546,7 @@ class GRPORunConfig:
                 f"{self.generator.max_tokens} (the penalty starts at max_tokens - overlong_buffer)"
             )
         check_task(self)
-        if self.task in (None, "reverse") and self.data.train is None and self.model.path is None:
+        if self.task in (None, "reverse") and self.data.train is None and self.model.path is None and not self.env.name:
             # The built-in task on a new model (character tokenizer): prompt lengths are known before launch.
             longest_prompt = self.reverse.max_len + 1  # letters + '='
             if longest_prompt + self.generator.max_tokens > self.generator.max_model_len:

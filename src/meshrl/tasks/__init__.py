@@ -29,6 +29,11 @@ def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: 
     """The run's task. `cfg` is a run config (GRPORunConfig / SFTRunConfig / EvalRunConfig): its `task` names the
     task and its `reverse` / `reasoning_gym` / `data` sections configure it. `train_rows` / `eval_rows` (Python
     lists of row dicts or `Row`s) stand in for --data.train / --data.eval."""
+    env = getattr(cfg, "env", None)
+    if env is not None and env.name and cfg.task is None and train_rows is None and cfg.data.train is None:
+        from meshrl.envs.tasks import build_env_task
+
+        return build_env_task(env)
     name = "data" if train_rows is not None and cfg.task is None else task_name(cfg)
     if name == "reverse":
         from meshrl.tasks.reverse import build_reverse_task

@@ -61,6 +61,7 @@ class Task:
     reward: str
     verifier: str
     skipped: dict[str, int] = field(default_factory=dict)  # bad rows skipped at load (reason -> count)
+    corpus: Sequence[str] = ()  # more texts a new model's tokenizer learns from (an environment's messages)
 
     def demonstration(self, row: Row) -> str:
         """The response a supervised warm-up trains on for `row`."""

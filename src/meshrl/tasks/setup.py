@@ -132,6 +132,36 @@ class TaskSetup:
         )
 
     @classmethod
+    def prepare_episodes(
+        cls,
+        cfg: Any,
+        task: Task,
+        model_dir: str | Path,
+        *,
+        reward_fns: Mapping[str, Callable] | None = None,
+        eval_max_tokens: int | None = None,
+    ) -> TaskSetup:
+        """For a run with an environment (`cfg.env`): the environment scores its episodes, so no reward functions;
+        the prompt budget leaves room for the first turn within the episode's token limit."""
+        if reward_fns:
+            raise ConfigError(
+                f"reward functions {sorted(reward_fns)} were given with --env {cfg.env.name}: an environment gives its "
+                "episodes' rewards itself; score inside its step() instead"
+            )
+        renderer = Renderer.from_model_dir(model_dir, cfg.render)
+        check_tokenizer_fits(renderer, model_dir)
+        gen = cfg.generator
+        episode_budget = cfg.env.max_tokens or gen.max_model_len
+        return cls.build(
+            task,
+            renderer,
+            None,
+            "env",
+            train_budget=episode_budget - gen.max_tokens,
+            eval_budget=episode_budget - (eval_max_tokens or gen.max_tokens),
+        )
+
+    @classmethod
     def build(
         cls, task: Task, renderer: Renderer, rewards: Any, verifier: str, *, train_budget: int, eval_budget: int
     ) -> TaskSetup:
@@ -153,6 +183,8 @@ class TaskSetup:
         return cls(task, renderer, train, held_out, rewards, verifier, notes)
 
     def describe_rewards(self) -> str:
+        if self.rewards is None:
+            return "the environment's"
         return ", ".join(f"{name}={weight:g}" for name, weight in self.rewards.weights.items())
 
     def demonstrations(self, max_len: int) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
@@ -227,5 +259,5 @@ def new_model_tokenizer(cfg: Any, task: Task | None) -> Any:
     def text(prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
 
-    texts = [text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer]
+    texts = [text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer] + list(task.corpus)
     return train_bpe_tokenizer(texts, vocab_size=cfg.model.bpe_vocab_size)

@@ -1,0 +1,143 @@
+"""Token-in / token-out episodes: one token sequence per episode, grown turn by turn, never re-tokenized.
+
+    ids = renderer.prompt_ids(opening)                      # turn 1's prompt: chat template + generation prompt
+    ids += completion.token_ids                             # the model's tokens, as sampled (loss mask 1)
+    ids += episode_renderer.bridge_ids(messages, obs, ...)  # end of turn + observation + next generation prompt
+    ...                                                     # (loss mask 0), and the generator continues from ids
+
+Re-rendering the whole conversation each turn (what several frameworks do) breaks multi-turn RL in two ways: the
+model's text re-tokenizes to other ids than it sampled (`" 42"` vs `" 4" "2"`), and templates rewrite history
+(Qwen3 drops earlier turns' reasoning; Llama 3 trims whitespace), so turn t+1's prompt is no longer turn t's prompt
+plus the completion, and the trainer scores tokens the generator never produced. Here the sequence only grows: the
+model's tokens are kept as sampled, and only the *new* text the template puts after the model's message is
+tokenized, found by rendering the conversation with a sentinel in place of that message's content.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl.render import Renderer
+from meshrl.tasks.base import Row
+from meshrl.types import Completion, Datum
+
+# Stands in for the model's last message when finding what the template writes after it: text no template changes
+# (no whitespace to trim, no '</think>' to split on) and no model writes.
+SENTINEL = "<<meshrl:model-turn>>"
+
+
+class EpisodeRenderer:
+    """The model's chat template applied to episodes: opening prompts, and the ids between turns."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+
+    def opening(self, row: Row, opening: Sequence[dict] | None) -> tuple[list[dict[str, Any]], list[int]]:
+        """(messages, prompt ids) of turn 1: the environment's opening messages, else the row's prompt (with the
+        configured system prompt either way)."""
+        start = row if opening is None else Row(list(opening), row.answer, row.info)
+        return self.renderer.messages(start), self.renderer.prompt_ids(start)
+
+    def bridge_ids(
+        self, messages: Sequence[dict[str, Any]], observation: Sequence[dict[str, Any]], completion_ids: Sequence[int]
+    ) -> list[int]:
+        """The ids that follow the model's last message (the last of `messages`, whose tokens `completion_ids`
+        already are) up to the next generation prompt: the end of the model's turn (unless the model wrote it, as
+        its stop token), the observation messages, and the header of the next assistant turn."""
+        if not self.renderer.use_chat_template:
+            # Plain text: the observation on its own lines, then the model goes on.
+            text = "\n" + "\n".join(str(m.get("content", "")) for m in observation) + "\n"
+            return self.renderer.encode(text)
+        history = [dict(m) for m in messages]
+        history[-1] = {**history[-1], "content": SENTINEL}
+        text = self._template(history + [dict(m) for m in observation])
+        at = text.rfind(SENTINEL)
+        if at < 0:
+            raise ValueError(
+                "the chat template dropped the model's last message when rendering the next turn; it cannot render "
+                "multi-turn episodes"
+            )
+        after = text[at + len(SENTINEL) :]
+        if completion_ids and completion_ids[-1] in self.renderer.stop_token_ids:
+            # The model ended its turn with a stop token the template writes too (<|im_end|>, <|eot_id|>): it is
+            # already in the sequence, as a model token.
+            stop_text = self.tokenizer.decode([completion_ids[-1]])
+            if stop_text and after.startswith(stop_text):
+                after = after[len(stop_text) :]
+        return self.renderer.encode(after)
+
+    def _template(self, messages: list[dict[str, Any]]) -> str:
+        cfg = self.renderer.cfg
+        kw = {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+
+    def scripted_turn_ids(self, text: str) -> list[int]:
+        """Ids of a demonstration message, as the model would write it: its text, then the end-of-turn stop token
+        (the one the template ends assistant messages with, else EOS)."""
+        return self.renderer.encode(text) + [self.end_of_turn_id]
+
+    @property
+    def end_of_turn_id(self) -> int:
+        if not hasattr(self, "_end_of_turn_id"):
+            self._end_of_turn_id = self.renderer.eos_id
+            if self.renderer.use_chat_template:
+                text = self._template([{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}])
+                after = self.renderer.encode(text[text.rfind(SENTINEL) + len(SENTINEL) :])
+                first_stop = next((t for t in after if t in self.renderer.stop_token_ids), None)
+                if first_stop is not None:
+                    self._end_of_turn_id = first_stop
+        return self._end_of_turn_id
+
+
+@dataclass
+class EpisodeTokens:
+    """An episode's one sequence: every token, which ones the model sampled, and their sampling logprobs."""
+
+    tokens: list[int] = field(default_factory=list)
+    model_mask: list[int] = field(default_factory=list)  # per token: 1 = sampled by the model, 0 = prompt/env
+    logprobs: list[float] = field(default_factory=list)  # per token: the sampling logprob (0 where not sampled)
+    turn_starts: list[int] = field(default_factory=list)  # index of each model turn's first token
+    policy_versions: set[int] = field(default_factory=set)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.tokens += ids
+        self.model_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_completion(self, completion: Completion) -> None:
+        if len(completion.prompt_ids) != len(self.tokens):
+            raise RuntimeError(
+                f"the generator continued a {len(completion.prompt_ids)}-token prompt, not this episode's "
+                f"{len(self.tokens)} tokens"
+            )
+        self.turn_starts.append(len(self.tokens))
+        self.tokens += completion.token_ids
+        self.model_mask += [1] * len(completion.token_ids)
+        self.logprobs += [float(x) for x in completion.logprobs]
+        self.policy_versions.add(completion.policy_version)
+
+    def add_scripted(self, ids: Sequence[int]) -> None:
+        """A demonstration turn: trained on (mask 1), no sampling logprobs."""
+        self.turn_starts.append(len(self.tokens))
+        self.tokens += ids
+        self.model_mask += [1] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.model_mask)
+
+    def datum(self, advantage: float = 0.0, *, with_logprobs: bool = True) -> Datum:
+        """The training sequence: loss on the model's tokens only, their sampling logprobs as `old_logprobs`
+        (Datum fields are aligned with the targets tokens[1:])."""
+        import numpy as np
+
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        if len(tokens) < 2:
+            raise ValueError("an episode needs at least 2 tokens to train on")
+        mask = np.asarray(self.model_mask[1:], dtype=np.float64)
+        old = np.asarray(self.logprobs[1:], dtype=np.float64) if with_logprobs else None
+        return Datum(tokens, mask, old, advantage)

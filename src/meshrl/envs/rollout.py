@@ -1,0 +1,281 @@
+"""Many episodes at once on one asyncio event loop: environments step concurrently, generation is batched.
+
+Each episode is a coroutine (reset, then generate → step → bridge, turn by turn). Episodes are split into
+`EnvConfig.batches` cohorts; a cohort's generation requests are sent together, as one generator call, once every
+live episode of the cohort is waiting for the model. With one cohort every turn is one batch (most tokens per
+call); with more, one cohort generates while another's environments think, so slow environments (a sandbox, a
+search API) do not leave the generators idle. Which episodes share a call, and each call's sampling seed (from the
+round's seed, the cohort and the turn), never depend on timing: a run is reproducible — and resumable bitwise —
+with any number of cohorts.
+
+An environment that raises, or answers after `EnvConfig.timeout_s`, ends its episode: reward 0, finish reason
+`env_error` / `env_timeout`, counted in the metrics; the other episodes go on. No Monarch imports: generation is the
+`generate` function the caller passes (the Controller's generators, or anything else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl.envs.base import Environment, EpisodeOutcome, as_messages
+from meshrl.envs.episode import EpisodeRenderer, EpisodeTokens
+from meshrl.tasks.base import Row
+from meshrl.types import Completion, SamplingParams
+
+# (prompts, sampling) -> one completion per prompt (n = 1), in order. May block: it runs in a worker thread.
+GenerateFn = Callable[[list[list[int]], SamplingParams], list[Completion]]
+
+
+@dataclass
+class Episode:
+    """One finished episode: its tokens for the trainer, its outcome for the advantages and metrics."""
+
+    tokens: EpisodeTokens
+    outcome: EpisodeOutcome
+    env_time_s: float = 0.0
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int
+    max_tokens: int  # the whole episode: prompt, every turn and every observation
+    turn_max_tokens: int  # one model turn
+    timeout_s: float
+
+
+class _EnvFailure(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class _Cohort:
+    """Batches the generation requests of a set of episodes: sends them once every live episode waits."""
+
+    def __init__(self, index: int, size: int, send: Callable[[int, int, list], Awaitable[None]]) -> None:
+        self.index, self.live, self.send = index, size, send
+        self.waiting: list[tuple[int, list[int], int, asyncio.Future]] = []
+        self.turn = 0
+
+    def request(self, episode: int, ids: list[int], max_tokens: int) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((episode, ids, max_tokens, fut))
+        self._maybe_send()
+        return fut
+
+    def finished(self) -> None:
+        self.live -= 1
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        if self.waiting and len(self.waiting) == self.live:
+            batch, self.waiting = sorted(self.waiting, key=lambda w: w[0]), []
+            asyncio.ensure_future(self.send(self.index, self.turn, batch))
+            self.turn += 1
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment class against a generate function."""
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Environment],
+        renderer: EpisodeRenderer,
+        generate: GenerateFn,
+        limits: EpisodeLimits,
+        *,
+        batches: int = 1,
+        max_threads: int = 32,
+        group_rewards: Callable[[Sequence[EpisodeOutcome]], Sequence[float] | None] | None = None,
+    ) -> None:
+        self.env_factory, self.renderer, self.generate, self.limits = env_factory, renderer, generate, limits
+        self.batches, self.max_threads, self.group_rewards = batches, max_threads, group_rewards
+
+    def run(self, rows: Sequence[Row], group_size: int, sampling: SamplingParams, seed: int) -> list[Episode]:
+        """`group_size` episodes per row, laid out group by group. `sampling` gives temperature / top-p / top-k /
+        stop ids (its n and max_tokens are set per call); `seed` makes every sampling seed and episode seed."""
+        return asyncio.run(self.run_async(rows, group_size, sampling, seed))
+
+    async def run_async(
+        self, rows: Sequence[Row], group_size: int, sampling: SamplingParams, seed: int
+    ) -> list[Episode]:
+        n = len(rows) * group_size
+        executor = ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix="meshrl-env")
+        gen_executor = ThreadPoolExecutor(max_workers=max(1, self.batches), thread_name_prefix="meshrl-gen")
+        sizes = [n * (c + 1) // self.batches - n * c // self.batches for c in range(self.batches)]
+
+        async def send(cohort: int, turn: int, batch: list) -> None:
+            # One generator call per distinct turn budget (most turns share one). Its seed depends only on the
+            # round, cohort and turn: timing never changes what is sampled.
+            by_budget: dict[int, list] = {}
+            for item in batch:
+                by_budget.setdefault(item[2], []).append(item)
+            for k, (budget, items) in enumerate(sorted(by_budget.items())):
+                call_seed = random.Random(f"{seed}/{cohort}/{turn}/{k}").getrandbits(32)
+                params = dataclasses.replace(sampling, n=1, max_tokens=budget, seed=call_seed)
+                prompts = [ids for _, ids, _, _ in items]
+                try:
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        gen_executor, self.generate, prompts, params
+                    )
+                except BaseException as e:  # noqa: BLE001 - every waiting episode gets the generator's error
+                    for *_, fut in items:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    continue
+                for (*_, fut), completion in zip(items, results, strict=True):
+                    if not fut.done():
+                        fut.set_result(completion)
+
+        cohorts = [_Cohort(c, sizes[c], send) for c in range(self.batches)]
+        cohort_of = [c for c in range(self.batches) for _ in range(sizes[c])]
+        try:
+            episodes = await asyncio.gather(
+                *(self._episode(i, rows[i // group_size], cohorts[cohort_of[i]], executor, seed) for i in range(n))
+            )
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)  # a hung environment's thread is left behind
+            gen_executor.shutdown(wait=False)
+        self._add_group_rewards(episodes, group_size)
+        return list(episodes)
+
+    async def _call(self, executor: ThreadPoolExecutor, fn: Callable, *args: Any) -> Any:
+        """An environment method, async or not, under the timeout; a plain one runs in a worker thread."""
+        if inspect.iscoroutinefunction(fn):
+            call = fn(*args)
+        else:
+            call = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        try:
+            return await asyncio.wait_for(call, self.limits.timeout_s)
+        except TimeoutError as e:
+            what = getattr(fn, "__qualname__", fn)
+            raise _EnvFailure("env_timeout", f"{what} took over {self.limits.timeout_s}s") from e
+        except Exception as e:  # noqa: BLE001 - an environment's bug ends its episode, never the run
+            raise _EnvFailure("env_error", f"{type(e).__name__}: {e}") from e
+
+    async def _episode(self, index: int, row: Row, cohort: _Cohort, executor, seed: int) -> Episode:
+        lim = self.limits
+        tokens = EpisodeTokens()
+        messages: list[dict[str, Any]] = []
+        turn_rewards: list[float] = []
+        metrics: dict[str, float] = {}
+        correct: bool | None = None
+        finish, error, env_time = "max_turns", None, 0.0
+        try:
+            t0 = time.perf_counter()
+            try:
+                env = await self._call(executor, self.env_factory)
+                episode_seed = random.Random(f"{seed}/env/{index}").getrandbits(32)
+                opening = await self._call(executor, env.reset, row, episode_seed)
+                messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
+            except _EnvFailure:
+                raise
+            except Exception as e:  # noqa: BLE001 - a bad opening (unrenderable messages) is the environment's
+                raise _EnvFailure("env_error", f"{type(e).__name__}: {e}") from e
+            finally:
+                env_time += time.perf_counter() - t0
+            tokens.add_context(ids)
+            for turn in range(lim.max_turns):
+                budget = min(lim.turn_max_tokens, lim.max_tokens - len(tokens.tokens))
+                if budget < 1:
+                    finish = "max_tokens"
+                    break
+                completion = await cohort.request(index, list(tokens.tokens), budget)
+                tokens.add_completion(completion)
+                text = self.renderer.renderer.completion_text(completion.token_ids)
+                messages.append({"role": "assistant", "content": text})
+                t0 = time.perf_counter()
+                try:
+                    result = await self._call(executor, env.step, text)
+                    observation = [] if result.done else as_messages(result.observation)
+                except _EnvFailure:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a malformed StepResult is the environment's error
+                    raise _EnvFailure("env_error", f"{type(e).__name__}: {e}") from e
+                finally:
+                    env_time += time.perf_counter() - t0
+                turn_rewards.append(float(result.reward))
+                for k, v in result.metrics.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v)
+                if result.done:
+                    finish, correct = "done", result.correct
+                    break
+                if turn + 1 == lim.max_turns:
+                    break
+                bridge = self.renderer.bridge_ids(messages, observation, completion.token_ids)
+                if len(tokens.tokens) + len(bridge) >= lim.max_tokens:
+                    finish = "max_tokens"  # no room left for a model token after the observation
+                    break
+                tokens.add_context(bridge)
+                messages += observation
+        except _EnvFailure as e:
+            finish, error, correct = e.kind, str(e), False
+            turn_rewards = [0.0] * len(turn_rewards)
+        finally:
+            cohort.finished()
+        reward = sum(turn_rewards)
+        outcome = EpisodeOutcome(
+            row=row,
+            messages=messages,
+            turn_rewards=turn_rewards,
+            reward=reward,
+            correct=bool(reward >= 1.0 - 1e-9) if correct is None else bool(correct),
+            num_turns=len(tokens.turn_starts),
+            finish_reason=finish,
+            metrics=metrics,
+            error=error,
+        )
+        return Episode(tokens, outcome, env_time)
+
+    def _add_group_rewards(self, episodes: Sequence[Episode], group_size: int) -> None:
+        if self.group_rewards is None:
+            return
+        for g in range(0, len(episodes), group_size):
+            group = episodes[g : g + group_size]
+            try:
+                extra = self.group_rewards([e.outcome for e in group])
+            except Exception as e:  # noqa: BLE001 - scored as no bonus, counted
+                for ep in group:
+                    ep.outcome.metrics["group_reward_errors"] = 1.0
+                    ep.outcome.error = ep.outcome.error or f"group_rewards: {type(e).__name__}: {e}"
+                continue
+            if extra is None:
+                continue
+            if len(extra) != len(group):
+                raise ValueError(f"group_rewards returned {len(extra)} values for a group of {len(group)} episodes")
+            for ep, r in zip(group, extra, strict=True):
+                if ep.outcome.error is None:
+                    ep.outcome.reward += float(r)
+
+
+@dataclass
+class EpisodeStats:
+    """Per-step metrics over a batch of episodes."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, episodes: Sequence[Episode]) -> EpisodeStats:
+        n = max(1, len(episodes))
+        out: dict[str, float] = {
+            "turns_per_episode": sum(e.outcome.num_turns for e in episodes) / n,
+            "model_tokens_per_episode": sum(e.tokens.num_model_tokens for e in episodes) / n,
+            "episode_tokens_mean": sum(len(e.tokens.tokens) for e in episodes) / n,
+            "env_time_s": sum(e.env_time_s for e in episodes),
+            "env_failures": sum(e.outcome.finish_reason in ("env_error", "env_timeout") for e in episodes),
+        }
+        reasons: dict[str, int] = {}
+        for e in episodes:
+            reasons[e.outcome.finish_reason] = reasons.get(e.outcome.finish_reason, 0) + 1
+        out.update({f"finish/{k}": v / n for k, v in sorted(reasons.items())})
+        keys = sorted({k for e in episodes for k in e.outcome.metrics})
+        out.update({f"env/{k}": sum(e.outcome.metrics.get(k, 0.0) for e in episodes) / n for k in keys})
+        return cls(out)
