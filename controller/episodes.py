@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -51,8 +52,12 @@ class EpisodeRollout:
         return min(self.limits.max_tokens, self.limits.max_turns * self.limits.turn_max_tokens)
 
     def runner(self, ctl: Controller, limits: EpisodeLimits | None = None) -> EpisodeRunner:
+        submit = threading.Lock()  # cohorts call from worker threads: one at a time sends, all wait at once
+
         def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-            return [group[0] for group in ctl.generate(prompts, params).result()]
+            with submit:
+                pending = ctl.generate(prompts, params)
+            return [group[0] for group in pending.result()]
 
         return EpisodeRunner(
             self.make_env,
@@ -111,8 +116,7 @@ class EpisodeRollout:
         while len(out.episodes) % dp:  # a short batch must still split evenly over the trainer ranks
             out.rows.pop()
             del out.episodes[-g:], out.rewards[-g:]
-        out.metrics = EpisodeStats.of(everything).values
-        out.metrics["time_env_s"] = out.metrics.pop("env_time_s")
+        out.metrics = EpisodeStats.of(everything).values  # time_generate_s: the episodes' wall time, env included
         return out
 
     def evaluate(self, ctl: Controller, setup: TaskSetup, cfg, *, max_tokens: int, temperature: float,

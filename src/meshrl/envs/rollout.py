@@ -269,7 +269,9 @@ class EpisodeStats:
             "turns_per_episode": sum(e.outcome.num_turns for e in episodes) / n,
             "model_tokens_per_episode": sum(e.tokens.num_model_tokens for e in episodes) / n,
             "episode_tokens_mean": sum(len(e.tokens.tokens) for e in episodes) / n,
-            "env_time_s": sum(e.env_time_s for e in episodes),
+            # Seconds an episode waited on its environment (reset and steps), on average: episodes overlap, so a
+            # sum would exceed the wall time.
+            "env_time_per_episode_s": sum(e.env_time_s for e in episodes) / n,
             "env_failures": sum(e.outcome.finish_reason in ("env_error", "env_timeout") for e in episodes),
         }
         reasons: dict[str, int] = {}
