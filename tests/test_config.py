@@ -100,6 +100,9 @@ def test_cli_help_lists_every_section():
         "--eval.samples",
         "--reverse.num-train",
         "--model.path",
+        "--env.name",
+        "--env.max-turns",
+        "--env.kwargs",
     ):
         assert field in out.stdout, field
     assert "tiny-reverse" in out.stdout  # the presets are listed

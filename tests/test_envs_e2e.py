@@ -1,0 +1,150 @@
+"""GRPO with an environment in the loop, on real meshes (2 FSDP trainer processes, a generator; no reward
+processes: the environment scores its episodes).
+
+A run on the calculator environment logs the episode metrics; the trainer's logprobs equal the generator's at the
+model tokens of every multi-turn episode (the parity check the single-turn loop logs); a run stopped mid-way and
+resumed equals the straight run bitwise; a user's environment that raises or hangs costs its episodes, not the run.
+"""
+
+import json
+
+import pytest
+
+from meshrl.config import GRPORunConfig
+from meshrl.controller.cli import parse_run_config
+from meshrl.errors import ConfigError
+
+STEPS = 4
+FLAGS = [
+    "--preset",
+    "tiny-calculator",
+    "--warmup.steps",
+    "3",
+    "--warmup.batch-size",
+    "16",
+    "--grpo.steps",
+    str(STEPS),
+    "--grpo.prompts-per-step",
+    "2",
+    "--grpo.group-size",
+    "4",
+    "--trainer.micro-batch-size",
+    "8",
+    "--generator.engine",
+    "transformers",
+    "--env.num-train",
+    "40",
+    "--env.num-eval",
+    "4",
+    "--env.batches",
+    "2",
+    "--eval.every",
+    "2",
+    "--eval.samples",
+    "2",
+    "--run.save-every",
+    "2",
+    "--run.call-timeout-s",
+    "120",
+]
+
+
+def _records(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    drop = ("time_", "tokens_per_s", "env_time_per_episode_s")
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+def _refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_run_config(GRPORunConfig, argv=argv)
+    said = " ".join((str(e.value.code) + capsys.readouterr().err).replace("│", " ").split())
+    assert message in said, said
+
+
+def test_env_flags(capsys):
+    cfg = parse_run_config(GRPORunConfig, argv=["--env", "guess_number", "--env.max-turns", "6"])
+    assert (cfg.env.name, cfg.env.max_turns) == ("guess_number", 6)
+    assert parse_run_config(GRPORunConfig, argv=["--env=calculator"]).env.name == "calculator"
+    with pytest.raises(ConfigError, match="unknown"):
+        parse_run_config(GRPORunConfig, argv=["--env", "chess"]).env.factory()
+    _refused(capsys, ["--env", "guess_number", "--env.kwargs", "{high: 3"], "--env.kwargs '{high: 3' is not JSON")
+    with pytest.raises(ConfigError, match="high"):
+        parse_run_config(GRPORunConfig, argv=["--env", "guess_number", "--env.kwargs", '{"high": 0}']).env.factory()
+    with pytest.raises(ConfigError, match="not a meshrl.envs.Environment"):
+        parse_run_config(GRPORunConfig, argv=["--env", "json:loads"]).env.factory()
+    _refused(capsys, ["--env", "calculator", "--reward", "exact_match=1"], "drop --reward")
+    _refused(capsys, ["--env", "calculator", "--env.max-tokens", "512"], "env.max_tokens=512 is over")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("envs_e2e")
+
+
+@pytest.fixture(scope="module")
+def straight(out):
+    from meshrl.controller import grpo
+
+    summary = grpo.main(parse_run_config(GRPORunConfig, argv=[*FLAGS, "--run.output-dir", str(out), "--run.name", "a"]))
+    return out / "a", summary
+
+
+def test_calculator_run_logs_episodes_and_trainer_matches_generator(straight):
+    run_dir, summary = straight
+    records = _records(run_dir)
+    rl = [r for r in records if r["phase"] == "rl"]
+    assert len(rl) == STEPS
+    for r in rl:
+        assert r["logprob_diff_max"] < 1e-4, r  # every model token of every episode, all turns
+        assert r["turns_per_episode"] >= 1 and r["model_tokens_per_episode"] == r["completion_len_mean"]
+        assert r["episode_tokens_mean"] > r["model_tokens_per_episode"]  # prompt and observations, loss-free
+        assert any(k.startswith("env/") for k in r) and r["env_failures"] == 0  # the environment's own counts
+        assert sum(v for k, v in r.items() if k.startswith("finish/")) == pytest.approx(1.0)
+    raw = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["env_time_per_episode_s"] >= 0 for r in raw if r["phase"] == "rl")
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert [e["when"] for e in evals] == ["before_rl", "during_rl", "after_rl"]
+    assert all("pass@2" in e and "turns_per_episode" in e and e["samples"][0].startswith("user: Use <tool>") for e in evals)
+    assert summary["task"] == "env:calculator"
+
+
+def test_resumed_env_run_equals_the_straight_run_bitwise(out, straight):
+    import torch
+
+    from meshrl.controller import grpo
+    from meshrl.models.qwen3 import load_hf_state_dict
+
+    a, summary_a = straight
+    argv = [*FLAGS, "--run.output-dir", str(out), "--run.name", "b"]
+    stopped = grpo.main(parse_run_config(GRPORunConfig, argv=[*argv, "--run.stop-at-step", "2"]))
+    assert stopped["stopped_at"] == 2
+    summary_b = grpo.main(parse_run_config(GRPORunConfig, argv=[*argv, "--run.resume", "latest"]))
+    b = out / "b"
+    assert _records(b) == _records(a)  # episodes, rewards, losses, evaluations: bitwise
+    assert summary_b["eval_accuracy_after_rl"] == summary_a["eval_accuracy_after_rl"]
+    wa, wb = load_hf_state_dict(a / "final_model"), load_hf_state_dict(b / "final_model")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_failing_environment_costs_its_episodes_not_the_run(out):
+    from meshrl.controller import grpo
+
+    kinds = ["ok", "raise", "hang", "ok"]
+    train = [{"prompt": f"say {i}", "answer": "1", "kind": k} for i, k in enumerate(kinds)]  # one epoch a step
+    held_out = [{"prompt": f"say {i}", "answer": "1", "kind": k} for i, k in enumerate(kinds)]
+    argv = [
+        *FLAGS[FLAGS.index("--grpo.steps") :],
+        "--warmup.steps", "0", "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2",
+        "--env", "user_envs:FlakyEnv", "--env.timeout-s", "1", "--env.max-turns", "3",
+        "--model.flavor", "tiny", "--generator.max-model-len", "96", "--eval.samples", "0",
+        "--trainer.num-procs", "2", "--run.output-dir", str(out), "--run.name", "flaky",
+    ]  # fmt: skip
+    summary = grpo.main(parse_run_config(GRPORunConfig, argv=argv), train_rows=train, eval_rows=held_out)
+    rl = [r for r in _records(out / "flaky") if r["phase"] == "rl"]
+    assert len(rl) == 2
+    for r in rl:  # 4 prompts x 2 episodes, one prompt raising and one hanging: 4 episodes fail each step
+        assert r["env_failures"] == 4 and r["reward_failures_by_kind"] == {"env_error": 2, "env_timeout": 2}
+        assert r["finish/env_error"] == r["finish/env_timeout"] == 0.25
+    assert summary["eval_before_rl"]["env_failures"] == 2
+    assert summary["eval_accuracy_after_rl"] == 0.5  # the two working rows end at turn 2 with reward 1
