@@ -12,8 +12,9 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -148,6 +149,7 @@ class Controller:
         # main thread). We record the failure instead; the waiting call raises ActorDiedError, and the program
         # ends with a message naming the last good checkpoint.
         self.failures: list[str] = []
+        self._submit = threading.Lock()  # `complete` from several threads
         monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
         _export_import_path()
         remove_stale_files()  # left by an earlier run whose trainer or controller was SIGKILLed
@@ -353,6 +355,13 @@ class Controller:
 
         return Pending(futures, interleave, self.timeout_s, "generate")
 
+    def complete(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as
+        the episode runner's cohorts do: the calls are sent one at a time and waited on together."""
+        with self._submit:
+            pending = self.generate(prompts, params)
+        return [group[0] for group in pending.result()]
+
     @staticmethod
     def _replica_params(params: SamplingParams, replica: int, num_prompts: int) -> SamplingParams:
         """Engines give sample j of their prompt i the seed params.seed + i·n + j; offset the seed per replica
@@ -383,6 +392,60 @@ class Controller:
             if hi > lo
         ]
         return Pending(futures, lambda parts: [s for part in parts for s in part], self.timeout_s, "score")
+
+    def run_episodes(
+        self,
+        env: Any,
+        rows: Sequence[Any],
+        *,
+        group_size: int = 1,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        max_turns: int = 4,
+        max_tokens: int | None = None,
+        timeout_s: float = 30.0,
+        render: Any = None,
+    ) -> list[Any]:
+        """Multi-turn episodes of `env` on the generators: `group_size` per row, laid out row by row. `env`: a
+        name ('calculator', 'pkg.mod:Class'), an `meshrl.envs.Environment` subclass, a function making one, or an
+        `EnvConfig`. `rows`: `Row`s, row dicts ({"prompt", "answer", ...}) or prompt strings. Each result is a
+        `meshrl.envs.rollout.Episode`: `.tokens.datum(advantage)` is its training sequence (loss on the model's
+        tokens only), `.outcome` its reward, per-turn rewards, messages and metrics.
+
+            episodes = ctl.run_episodes("calculator", rows, group_size=8, max_turns=3)
+        """
+        from meshrl.envs import EnvConfig
+        from meshrl.envs.episode import EpisodeRenderer
+        from meshrl.envs.rollout import EpisodeLimits, EpisodeRunner
+        from meshrl.render import Renderer
+        from meshrl.tasks.base import Row
+
+        self._need("generators", self.generators)
+        if isinstance(env, str):
+            env = EnvConfig(name=env)
+        group_rewards = None
+        if isinstance(env, EnvConfig):
+            cls, make = env.factory()
+            group_rewards = cls.group_rewards
+        else:
+            make = env
+            group_rewards = getattr(env, "group_rewards", None)
+        renderer = Renderer.from_model_dir(self.model_dir, render)
+        limit = self.generator_cfg.max_model_len
+        if sampling is None:
+            sampling = SamplingParams(max_tokens=self.generator_cfg.max_tokens, stop_token_ids=renderer.stop_token_ids)
+        limits = EpisodeLimits(max_turns, min(max_tokens or limit, limit), sampling.max_tokens, timeout_s)
+
+        def as_row(r: Any) -> Row:
+            if isinstance(r, Row):
+                return r
+            if isinstance(r, str):
+                return Row(r)
+            rest = {k: v for k, v in r.items() if k not in ("prompt", "answer")}
+            return Row(r["prompt"], r.get("answer"), rest)
+
+        runner = EpisodeRunner(make, EpisodeRenderer(renderer), self.complete, limits, group_rewards=group_rewards)
+        return runner.run([as_row(r) for r in rows], group_size, sampling, seed)
 
     @staticmethod
     def _need(what: str, mesh: Any) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -27,7 +26,7 @@ from meshrl.envs.rollout import Episode, EpisodeLimits, EpisodeRunner, EpisodeSt
 from meshrl.errors import ConfigError
 from meshrl.tasks.base import Row
 from meshrl.tasks.setup import TaskSetup
-from meshrl.types import Completion, Datum, SamplingParams
+from meshrl.types import Datum, SamplingParams
 
 
 class EpisodeRollout:
@@ -52,17 +51,10 @@ class EpisodeRollout:
         return min(self.limits.max_tokens, self.limits.max_turns * self.limits.turn_max_tokens)
 
     def runner(self, ctl: Controller, limits: EpisodeLimits | None = None) -> EpisodeRunner:
-        submit = threading.Lock()  # cohorts call from worker threads: one at a time sends, all wait at once
-
-        def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-            with submit:
-                pending = ctl.generate(prompts, params)
-            return [group[0] for group in pending.result()]
-
         return EpisodeRunner(
             self.make_env,
             self.renderer,
-            generate,
+            ctl.complete,  # cohorts call it from worker threads
             limits or self.limits,
             batches=self.cfg.batches,
             max_threads=self.cfg.max_threads,

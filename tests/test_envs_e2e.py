@@ -149,3 +149,38 @@ def test_a_failing_environment_costs_its_episodes_not_the_run(out):
         assert r["finish/env_error"] == r["finish/env_timeout"] == 0.25
     assert summary["eval_before_rl"]["env_failures"] == 2
     assert summary["eval_accuracy_after_rl"] == 0.5  # the two working rows end at turn 2 with reward 1
+
+
+def test_controller_api_runs_episodes_and_trains_on_them(straight):
+    """The same from Python: `Controller.run_episodes`, then the episodes' datums through forward / forward_backward."""
+    import numpy as np
+
+    from meshrl.advantages import compute_advantages
+    from meshrl.controller.api import Controller
+    from meshrl.envs.calculator import CalculatorEnv
+    from meshrl.types import LossSpec, OptimParams
+
+    run_dir, _ = straight
+    cfg = parse_run_config(GRPORunConfig, argv=FLAGS)
+    rows = [{"prompt": r.prompt, "answer": r.answer, **r.info} for r in CalculatorEnv.rows("eval", 2, 0)]
+    with Controller(
+        model_dir=str(run_dir / "final_model"),
+        model_cfg=cfg.model,
+        trainer_cfg=cfg.trainer,
+        generator_cfg=cfg.generator,
+    ) as ctl:
+        episodes = ctl.run_episodes(CalculatorEnv, rows, group_size=4, max_turns=3, seed=5)
+        again = ctl.run_episodes("calculator", rows, group_size=4, max_turns=3, seed=5)
+        assert [e.tokens.tokens for e in episodes] == [e.tokens.tokens for e in again]
+        rewards = [e.outcome.reward for e in episodes]
+        advantages = compute_advantages(
+            "group_mean", rewards, 4, turn_rewards=[e.outcome.turn_rewards for e in episodes]
+        )
+        data = [e.tokens.datum(a) for e, a in zip(episodes, advantages, strict=True)]
+        trainer_logprobs = ctl.forward(data).result()
+        for d, lp in zip(data, trainer_logprobs, strict=True):
+            mask = np.asarray(d.loss_mask) > 0
+            assert np.abs(np.asarray(lp)[mask] - np.asarray(d.old_logprobs)[mask]).max() < 1e-4
+        loss = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+        result = ctl.forward_backward(data, loss, step=OptimParams(lr=1e-4)).result()
+        assert result.optim is not None and np.isfinite(result.loss)

@@ -297,3 +297,18 @@ def test_greedy_episodes_repeat_and_group_rewards_apply(engine):
     assert [e.outcome.reward for e in episodes] == [1.5, 0.5, 0.5] * 2
     assert episodes[0].tokens.tokens == episodes[1].tokens.tokens  # greedy: the same episode
     assert Environment.group_rewards([]) is None
+
+
+def test_custom_advantage_gets_per_turn_rewards():
+    from meshrl.advantages import ADVANTAGES, compute_advantages, register_advantage
+
+    @register_advantage("test_last_turn")
+    def last_turn(rewards, group_size, *, turn_rewards=None):
+        return [turns[-1] if turns else 0.0 for turns in turn_rewards]
+
+    try:
+        got = compute_advantages("test_last_turn", [1.0, 0.5], 2, turn_rewards=[[0.5, 0.5], [0.0, 0.5]])
+        assert got == [0.5, 0.5]
+        assert compute_advantages("group_mean", [1.0, 0.0], 2, turn_rewards=[[1.0], [0.0]]) == [0.5, -0.5]
+    finally:
+        del ADVANTAGES["test_last_turn"]
