@@ -4,10 +4,11 @@
     python -m meshrl.controller.grpo --model.path ./my-qwen3 --data.train train.jsonl --data.eval test.jsonl \
         --data.prompt-field question --reward math_verify=1.0,format=0.1
     python -m meshrl.controller.grpo --model.path ./my-llama --task reasoning_gym:countdown --reward task=1.0
+    python -m meshrl.controller.grpo --preset tiny-calculator          # multi-turn: --env calculator / pkg.mod:Env
 
 From Python: `main(cfg, train_rows=[...], eval_rows=[...], reward_fns={"mine": fn})`.
 
-sample prompts → generate G completions each → score (+ DAPO overlong shaping; dynamic sampling refills groups
+sample prompts → generate G completions each (or G episodes of --env: controller/episodes.py) → score (+ DAPO overlong shaping; dynamic sampling refills groups
 whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
 (gradients accumulate; the loss is normalised over the whole step; the last call takes the optimiser step, lr
 from the schedule) →

@@ -289,7 +289,7 @@ class CalculatorEnv(Environment):
         correct=False (the metric `answer_correct` still shows the number was right). Use it to teach the tool
         itself rather than the arithmetic."""
 
-    def __init__(self, observation_role: str = "tool", require_tool: bool = False) -> None:
+    def __init__(self, observation_role: str = "tool", require_tool: bool = False, demo_tool_rate: float = 1.0) -> None:
         if not isinstance(observation_role, str) or not observation_role.strip():
             raise ConfigError(
                 f"CalculatorEnv kwarg observation_role={observation_role!r}: give a chat role, e.g. 'tool' or 'user'"
@@ -301,6 +301,11 @@ class CalculatorEnv(Environment):
             )
         if not isinstance(require_tool, bool):
             raise ConfigError(f"CalculatorEnv kwarg require_tool={require_tool!r}: give true or false")
+        if not isinstance(demo_tool_rate, int | float) or not 0.0 <= demo_tool_rate <= 1.0:
+            raise ConfigError(f"CalculatorEnv kwarg demo_tool_rate={demo_tool_rate!r}: give a fraction in [0, 1]")
+        # The share of demonstrations that call the tool; the others answer at once, as SFT data mixing both
+        # styles does. RL then has a choice to learn: the tool makes answers right more often than mental arithmetic.
+        self.demo_tool_rate = float(demo_tool_rate)
         self.observation_role = observation_role
         self.require_tool = require_tool
         self.answer: float | None = None
@@ -397,11 +402,15 @@ class CalculatorEnv(Environment):
         return out
 
     def demonstration(self, row: Row) -> list[str] | None:
-        """Call the tool on the row's expression, then answer: the two-turn episode the warm-up teaches."""
+        """Call the tool on the row's expression, then answer: the two-turn episode the warm-up teaches; or, for a
+        (1 - demo_tool_rate) share of the rows (chosen by a stable hash of the prompt), the answer at once."""
         expr = row.info.get("expression")
         if not isinstance(expr, str):
             return None
         answer = row.answer if row.answer is not None else format_number(safe_eval(expr))
+        draw = int.from_bytes(hashlib.sha256(str(row.prompt).encode()).digest()[:8], "big") / 2**64
+        if draw >= self.demo_tool_rate:
+            return [answer]
         return [f"<tool>{expr}</tool>", answer]
 
 
