@@ -3,6 +3,7 @@ reward processes.
 
     python -m meshrl.controller.eval --model.path runs/rl1/final_model --data.eval test.jsonl --eval.samples 8
     python -m meshrl.controller.eval --model.path ./my-llama --task reasoning_gym:countdown --eval.samples 16
+    python -m meshrl.controller.eval --model.path runs/calc/final_model --env calculator --env.max-turns 3
 
 Greedy accuracy, mean reward, and with --eval.samples k: mean@k and pass@k (unbiased estimator) over k samples at
 --generator.temperature. Correct means the verifier (--eval.verifier, default the task's) gives >= 1. Writes
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from meshrl.config import EvalRunConfig
 from meshrl.controller.api import Controller
+from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.grpo import describe_eval
 from meshrl.controller.steps import evaluate
 from meshrl.errors import ConfigError
@@ -40,10 +42,19 @@ def main(
     else:
         task = build_task(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
-    setup = TaskSetup.prepare(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
+    run_eval, episodes = evaluate, None
+    if cfg.env.name:  # episodes of an environment, which scores them itself
+        setup = TaskSetup.prepare_episodes(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
+        episodes = EpisodeRollout(
+            cfg.env, setup, max_model_len=cfg.generator.max_model_len, turn_max_tokens=cfg.generator.max_tokens
+        )
+        run_eval = episodes.evaluate
+    else:
+        setup = TaskSetup.prepare(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
     print(
         f"[meshrl] evaluating {cfg.model.path} on task {task.name}: {setup.eval.describe('eval')}; correct = "
-        f"{setup.verifier} >= 1; {cfg.generator.num_replicas} generator + {cfg.scoring.num_procs} reward processes",
+        f"{setup.verifier} >= 1; {cfg.generator.num_replicas} generator + "
+        f"{0 if episodes else cfg.scoring.num_procs} reward processes",
         flush=True,
     )
     with Controller(
@@ -56,7 +67,7 @@ def main(
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
     ) as ctl:
-        record = evaluate(
+        record = run_eval(
             ctl, setup, cfg.eval, max_tokens=max_tokens, temperature=cfg.generator.temperature,
             top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
         )  # fmt: skip

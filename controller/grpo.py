@@ -8,10 +8,10 @@
 
 From Python: `main(cfg, train_rows=[...], eval_rows=[...], reward_fns={"mine": fn})`.
 
-sample prompts → generate G completions each (or G episodes of --env: controller/episodes.py) → score (+ DAPO overlong shaping; dynamic sampling refills groups
-whose rewards are all equal) → [reference logprobs for KL] → advantages → forward_backward over micro-batches
-(gradients accumulate; the loss is normalised over the whole step; the last call takes the optimiser step, lr
-from the schedule) →
+sample prompts → generate G completions each (or G episodes of an --env environment: controller/episodes.py) →
+score (+ DAPO overlong shaping; dynamic sampling refills groups whose rewards are all equal) → [reference logprobs
+for KL] → advantages → forward_backward over micro-batches (gradients accumulate; the loss is normalised over the
+whole step; the last call takes the optimiser step, lr from the schedule) →
 push/pull weights → log. The algorithm (GRPO, DAPO, Dr.GRPO, GSPO, CISPO, ...) is chosen by the `grpo.*` flags.
 A resumable checkpoint is written every `run.save_every` RL steps and at the end; `--run.resume latest` continues
 the run exactly where it was (same prompts, same samples, same updates).

@@ -682,6 +682,7 @@ class EvalRunConfig:
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=8))
