@@ -184,3 +184,20 @@ def test_controller_api_runs_episodes_and_trains_on_them(straight):
         loss = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         result = ctl.forward_backward(data, loss, step=OptimParams(lr=1e-4)).result()
         assert result.optim is not None and np.isfinite(result.loss)
+
+
+def test_eval_program_evaluates_a_checkpoint_on_an_environment(straight, out):
+    from meshrl.config import EvalRunConfig
+    from meshrl.controller import eval as eval_program
+
+    run_dir, summary = straight
+    argv = [
+        "--model.path", str(run_dir / "final_model"), "--env", "calculator", "--env.num-eval", "4",
+        "--env.max-turns", "3", "--eval.samples", "2", "--generator.engine", "transformers",
+        "--generator.max-model-len", "128", "--generator.max-tokens", "16", "--run.output-dir", str(out),
+        "--run.name", "evaluated",
+    ]  # fmt: skip
+    result = eval_program.main(parse_run_config(EvalRunConfig, argv=argv))
+    assert result["task"] == "env:calculator" and result["num_prompts"] == 4
+    assert result["accuracy"] == summary["eval_accuracy_after_rl"]  # the same greedy episodes as the run's last eval
+    assert "pass@2" in result and "turns_per_episode" in result
