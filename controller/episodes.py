@@ -136,6 +136,9 @@ class EpisodeRollout:
             episodes = runner.run(rows, k, sampled, seed=cfg.seed + 1)
             correct = [[e.outcome.correct for e in episodes[i * k : (i + 1) * k]] for i in range(len(rows))]
             record.update(summarize(correct, cfg.ks))
+            # How the policy behaves when it samples (e.g. how often it calls a tool), beside the greedy figures.
+            stats = EpisodeStats.of(episodes).values
+            record.update({f"sampled/{name}": v for name, v in stats.items() if name.startswith(("env/", "turns"))})
         return record
 
     def demonstrations(self, setup: TaskSetup, max_len: int) -> list[Datum]:
