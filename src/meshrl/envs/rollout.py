@@ -64,6 +64,7 @@ class _Cohort:
         self.index, self.live, self.send = index, size, send
         self.waiting: list[tuple[int, list[int], int, asyncio.Future]] = []
         self.turn = 0
+        self.sending: set[asyncio.Task] = set()  # the event loop holds tasks weakly: keep them until done
 
     def request(self, episode: int, ids: list[int], max_tokens: int) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -78,7 +79,9 @@ class _Cohort:
     def _maybe_send(self) -> None:
         if self.waiting and len(self.waiting) == self.live:
             batch, self.waiting = sorted(self.waiting, key=lambda w: w[0]), []
-            asyncio.ensure_future(self.send(self.index, self.turn, batch))
+            task = asyncio.ensure_future(self.send(self.index, self.turn, batch))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
             self.turn += 1
 
 
