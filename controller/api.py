@@ -198,6 +198,9 @@ class Controller:
                 self._start_weight_sync(generator_cfg.weight_sync)
         self.policy_version = self.trainer_info["policy_version"]
         self._last_synced: int | None = None
+        self._pulls_in_flight: list[tuple[int, Any]] = []  # sync_weights(wait=False) loads not yet confirmed
+        self._stored_versions: list[int] = []  # torchstore versions not deleted yet
+        self.versions_kept = 2  # torchstore versions kept while loads are queued (the async loop: K + 1)
 
     def _start_weight_sync(self, requested: str) -> None:
         """Resolve generator.weight_sync against where the processes actually run (trainer rank 0 publishes) and
@@ -289,9 +292,13 @@ class Controller:
         return Pending([fut], lambda v: _rank0(v)[:n], self.timeout_s, "ReferenceModel.forward")
 
     # ---- weights ------------------------------------------------------------------------------------------
-    def sync_weights(self, version: int | None = None) -> WeightSyncTiming:
+    def sync_weights(self, version: int | None = None, *, wait: bool = True) -> WeightSyncTiming:
         """Push the trainer's weights under `version` (default: the current policy version) and make every
-        generator load them. Returns when all generators serve exactly that version."""
+        generator load them. Returns when all generators serve exactly that version; with `wait=False` as soon as
+        the weights are published: the generators' load is queued behind the calls they are already serving (an
+        actor serves its calls in order), so it happens between their batches and the next `generate` uses it —
+        the asynchronous loop never waits for a batch to end in order to sync. A queued load's failure surfaces in
+        the next `generate` result."""
         self._need("generators", self.generators)
         self._need("a trainer", self.trainer)
         version = self.policy_version if version is None else version
@@ -308,19 +315,25 @@ class Controller:
         if transport in SHARED_BUFFER_TRANSPORTS and not self._buffer_attached:
             self._attach_weight_buffer()  # once: the buffer exists from the first push on
         t1 = time.perf_counter()
-        versions = Pending(
-            [self.generators.pull_weights.call(version, self.store_name)],
-            lambda v: list(v[0].values()),
-            self.timeout_s,
-            "pull_weights",
-        ).result()
+        pull = self.generators.pull_weights.call(version, self.store_name)
+        self._last_synced = version
+        if transport == "torchstore":
+            self._stored_versions.append(version)
+        if not wait:
+            self._pulls_in_flight.append((version, pull))
+            self._free_store(keep=self.versions_kept)
+            return WeightSyncTiming(version, t1 - t0, 0.0, pushed, transport)
+        versions = Pending([pull], lambda v: list(v[0].values()), self.timeout_s, "pull_weights").result()
         if set(versions) != {version}:
             raise RuntimeError(f"generators report versions {versions} after pulling {version}")
-        if transport == "torchstore" and self._last_synced is not None and self._last_synced != version:
-            # The generators have moved on: free the store.
-            asyncio.run(delete_weights(self._last_synced, store_name=self.store_name))
-        self._last_synced = version
+        self._pulls_in_flight.clear()  # served in order: every earlier queued load is done
+        self._free_store(keep=1)  # the generators have moved on
         return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed, transport)
+
+    def _free_store(self, keep: int) -> None:
+        """Delete all but the newest `keep` versions from torchstore (a queued load may still need the newer ones)."""
+        while len(self._stored_versions) > keep:
+            asyncio.run(delete_weights(self._stored_versions.pop(0), store_name=self.store_name))
 
     def _attach_weight_buffer(self) -> None:
         handles = Pending(
@@ -338,6 +351,9 @@ class Controller:
         """Spread prompts over the generator replicas; completions come back in prompt order, each stamped
         with the policy version that produced it (checked to be the current one)."""
         self._need("generators", self.generators)
+        # Loads queued by sync_weights(wait=False) run before this call on every generator: wait on them with it,
+        # so that a failed load fails this call (with its own message) instead of passing unnoticed.
+        pulls, self._pulls_in_flight = self._pulls_in_flight, []
         shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
         futures = [
             self.generators.slice(procs=i).generate.call_one(
@@ -347,13 +363,17 @@ class Controller:
             if shard
         ]
 
-        def interleave(parts: list[list[list[Completion]]]) -> list[list[Completion]]:
+        def interleave(parts: list[Any]) -> list[list[Completion]]:
+            for (version, _), loaded in zip(pulls, parts, strict=False):
+                if set(loaded.values()) != {version}:
+                    raise RuntimeError(f"generators report versions {list(loaded.values())} after pulling {version}")
+            parts = parts[len(pulls) :]
             out: list[list[Completion]] = [None] * len(prompts)  # type: ignore[list-item]
             for i, part in enumerate(parts):
                 out[i :: self.num_replicas] = part
             return out
 
-        return Pending(futures, interleave, self.timeout_s, "generate")
+        return Pending([fut for _, fut in pulls] + futures, interleave, self.timeout_s, "generate")
 
     def complete(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as

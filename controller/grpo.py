@@ -34,6 +34,7 @@ from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
+from meshrl.controller.rollout_buffer import RolloutBuffer
 from meshrl.controller.steps import (
     RunCheckpoints,
     RunFailedError,
@@ -71,13 +72,17 @@ def rl_step(
     sampling: SamplingParams,
     step: int,
     episodes: EpisodeRollout | None = None,
+    buffer: RolloutBuffer | None = None,
 ) -> dict:
     """One RL step, sampling through training and weight sync; returns its metrics record. With `episodes` (an
     environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
-    sample = sample_groups if episodes is None else episodes.sample
-    batch = sample(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+    if buffer is not None:  # asynchronous: this step's groups were sent up to max_staleness steps ago
+        batch = buffer.next_batch(step, sampler, rng)
+    else:
+        sample = sample_groups if episodes is None else episodes.sample
+        batch = sample(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
     if batch.empty:  # dynamic sampling found no group with a learning signal
         return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
     rewards = batch.rewards
@@ -114,7 +119,9 @@ def rl_step(
     results, opt = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
     t3 = time.perf_counter()
 
-    sync = ctl.sync_weights()
+    # Synchronous: the generators load the new weights now. Asynchronous: they are published, and the generators
+    # load them after the batches they are sampling (controller/rollout_buffer.py).
+    sync = ctl.sync_weights(wait=buffer is None)
     t4 = time.perf_counter()
 
     mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
@@ -151,7 +158,8 @@ def rl_step(
         "time_score_s": batch.time_score_s,
         "time_advantages_s": t2 - t0 - batch.time_generate_s - batch.time_score_s,
         "time_train_s": t3 - t2,
-        "time_weight_sync_s": t4 - t3,
+        "time_weight_sync_s": t4 - t3,  # asynchronous: publishing only (the generators load it later)
+        "time_step_s": t4 - t0,
         "weight_sync_bytes": sync.bytes,
     }
 
@@ -164,7 +172,8 @@ LOGPROB_GAP_WARN_NATS = 0.1
 
 def warn_on_logprob_gap(record: dict) -> None:
     gap = record.get("logprob_diff_mean", 0.0)
-    if gap > LOGPROB_GAP_WARN_NATS:
+    # Samples of an older policy version (the asynchronous loop) differ by the updates since, not by a mismatch.
+    if gap > LOGPROB_GAP_WARN_NATS and not record.get("staleness_max", 0):
         print(
             f"[meshrl] WARNING: trainer and generator logprobs differ by {gap:.3f} nats per token on average (max "
             f"{record['logprob_diff_max']:.3f}) at step {record['step']}: they are not computing the same model "
@@ -217,7 +226,11 @@ def main(
     sampler = EpochSampler(len(setup.train), seed=cfg.run.seed)  # shuffled epochs over the training prompts
     ckpts = RunCheckpoints("grpo", run, cfg)
 
+    buffer = None  # --grpo.max-staleness K > 0: generation runs up to K steps ahead of training
+
     def run_eval(when: str, step: int) -> dict:
+        if buffer is not None:  # the asynchronous loop publishes without waiting: serve the latest weights
+            ctl.sync_weights(wait=False)
         record = (evaluate if episodes is None else episodes.evaluate)(
             ctl, setup, cfg.eval, max_tokens=eval_tokens, temperature=cfg.generator.temperature,
             top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
@@ -270,6 +283,11 @@ def main(
             before = run_eval("before_rl", 0)
         if ref_dir is not None:
             ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
+        if cfg.grpo.max_staleness:
+            ctl.versions_kept = cfg.grpo.max_staleness + 1
+            buffer = RolloutBuffer(ctl, setup, sampling, cfg.grpo, dp=cfg.trainer.num_procs, total_steps=cfg.grpo.steps)
+            if resumed:
+                buffer.restore(resumed.get("rollouts", {}))
         print(f"[meshrl] held-out before RL: {describe_eval(before)}")
 
         def checkpoint_state() -> dict:
@@ -279,11 +297,12 @@ def main(
                 "before_rl": before,
                 "reference_model": ref_dir,
                 "warmup_done": True,
+                **({"rollouts": buffer.state()} if buffer is not None else {}),  # rounds in flight, waited for
             }
 
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes)
+            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer)
             run.log(record)
             if record["phase"] == "rl":
                 warn_on_logprob_gap(record)

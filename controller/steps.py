@@ -310,6 +310,48 @@ class SampledGroups:
         return [list(e.outcome.turn_rewards) for e in self.episodes] if self.episodes else None
 
 
+@dataclass
+class LaunchedRound:
+    """One round of generation sent to the generators: the prompts drawn, its seed, and the completions (a
+    `Pending` until they arrive; plain groups once restored from a checkpoint)."""
+
+    picks: list[int]
+    seed: int
+    pending: Any
+
+    def groups(self) -> list[list[Completion]]:
+        return self.pending.result() if hasattr(self.pending, "result") else self.pending
+
+    def state(self) -> dict[str, Any]:
+        """Waits for the completions; JSON-able (floats round-trip exactly)."""
+
+        def plain(c: Completion) -> dict[str, Any]:
+            return {
+                "prompt_ids": [int(t) for t in c.prompt_ids],
+                "token_ids": [int(t) for t in c.token_ids],
+                "logprobs": [float(x) for x in c.logprobs],
+                "finish_reason": c.finish_reason,
+                "policy_version": int(c.policy_version),
+            }
+
+        return {"picks": list(self.picks), "seed": self.seed, "groups": [[plain(c) for c in g] for g in self.groups()]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> LaunchedRound:
+        groups = [[Completion(**c) for c in group] for group in state["groups"]]
+        return cls(list(state["picks"]), int(state["seed"]), groups)
+
+
+def launch_round(
+    ctl: Controller, setup: TaskSetup, sampler: EpochSampler, rng: random.Random, sampling: SamplingParams, want: int
+) -> LaunchedRound:
+    """Draw `want` prompts and a seed, and send their generation (returns at once)."""
+    picks = sampler.next_indices(want)
+    seeded = dataclasses.replace(sampling, seed=rng.getrandbits(32))
+    prompts = [setup.train.prompt_ids[i] for i in picks]
+    return LaunchedRound(picks, seeded.seed, ctl.generate(prompts, seeded))
+
+
 def sample_groups(
     ctl: Controller,
     setup: TaskSetup,
@@ -319,12 +361,14 @@ def sample_groups(
     cfg,
     *,
     dp: int,
+    first: LaunchedRound | None = None,
 ) -> SampledGroups:
     """Generate and score `cfg.prompts_per_step` groups (cfg: a GRPOConfig), with DAPO's overlong reward shaping.
     With `cfg.dynamic_sampling`, groups whose rewards are all equal are dropped and refilled from new prompts
     (prompts_per_step more per round, at most `cfg.max_sampling_rounds` rounds): the result never holds an
     all-equal group. If the rounds run out it holds fewer groups, trimmed to a count the `dp` trainer ranks can
-    split (possibly none).
+    split (possibly none). `first`: the first round, already launched (the asynchronous loop's rollout buffer
+    sends it a step or more ahead).
 
     The prompts come from `sampler` (deterministic shuffled epochs over the training prompts) and each round's
     generation seed from `rng` (the engines derive every sample's noise from it), so restoring both reproduces the
@@ -332,11 +376,11 @@ def sample_groups(
     g, want = cfg.group_size, cfg.prompts_per_step
     out = SampledGroups([], [], [], [], [], [], Counter(), {}, 0, 0, 0, 0.0, 0.0)
     while len(out.rows) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
-        picks = sampler.next_indices(want)
-        seeded = dataclasses.replace(sampling, seed=rng.getrandbits(32))
         t0 = time.perf_counter()
-        prompts = [setup.train.prompt_ids[i] for i in picks]
-        completions = [c for group in ctl.generate(prompts, seeded).result() for c in group]
+        launched = first if first is not None and out.rounds == 0 else None
+        launched = launched or launch_round(ctl, setup, sampler, rng, sampling, want)
+        picks = launched.picks
+        completions = [c for group in launched.groups() for c in group]
         t1 = time.perf_counter()
         texts = setup.renderer.completion_texts([c.token_ids for c in completions])
         scored = ctl.score(texts, [setup.train.views[i] for i in picks], group_size=g).result()

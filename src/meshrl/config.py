@@ -269,6 +269,11 @@ class GRPOConfig:
     """Prompts drawn per RL step (each sampled group_size times)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are relative to the group."""
+    max_staleness: int = 0
+    """Asynchronous RL: generation runs up to this many policy versions ahead of training (K). 0: the synchronous
+    loop (generate, train, sync). 1: the next step's groups are sampled while this step trains (one-step
+    off-policy); the loss uses the sampling logprobs as the old policy. Groups older than K versions are dropped
+    and counted."""
     # ---- the algorithm (README "Algorithms": the flags of GRPO, DAPO, Dr.GRPO, GSPO, CISPO) ----
     loss: str = "grpo"
     """Policy loss: 'grpo' (PPO clipped ratio; DAPO's clip-higher is clip_high > clip_low), 'gspo' (sequence-level
@@ -514,6 +519,20 @@ class GRPORunConfig:
 
     def __post_init__(self) -> None:
         check_precision(self.model, self.trainer)
+        k = self.grpo.max_staleness
+        if k < 0:
+            raise ConfigError(f"grpo.max_staleness={k} must be >= 0 (0: the synchronous loop)")
+        if k and self.env.name is not None:
+            raise ConfigError(
+                f"grpo.max_staleness={k} with --env {self.env.name}: the asynchronous loop samples single completions "
+                "only so far; use --grpo.max-staleness 0 with an environment"
+            )
+        if k > 1 and self.generator.weight_sync != "torchstore":
+            raise ConfigError(
+                f"grpo.max_staleness={k} keeps {k + 1} weight versions alive while generators catch up; the shared "
+                "buffer of --generator.weight-sync shm/cuda_ipc/auto holds 2: use --generator.weight-sync torchstore, "
+                "or --grpo.max-staleness 1"
+            )
         if self.env.name is not None:
             limit = self.generator.max_model_len
             if self.env.max_tokens is not None and self.env.max_tokens > limit:
