@@ -4,8 +4,9 @@ stamped with the policy version of the weights that produced it."""
 from __future__ import annotations
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
 from meshrl.weight_sync.transport import DEFAULT_STORE
 
@@ -21,6 +22,7 @@ class Generator(Actor):
         self.engine = None
         self.policy_version = 0
         self.weight_loader = None  # set by attach_weight_buffer: pull from the trainer's shared buffer
+        self.busy_log = BusyLog(f"generator:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
     def _engine(self):
         if self.engine is None:
@@ -75,7 +77,13 @@ class Generator(Actor):
                 f"generator holds policy_version={self.policy_version} but {expected_version} was asked for; "
                 "call pull_weights first"
             )
-        return self._engine().generate(prompts, params, self.policy_version)
+        with self.busy_log.busy("generate"):
+            return self._engine().generate(prompts, params, self.policy_version)
+
+    @endpoint
+    async def timeline(self) -> list[dict]:
+        """This replica's busy intervals since the last call (meshrl.timeline)."""
+        return self.busy_log.take()
 
     @endpoint
     async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -98,14 +106,18 @@ class Generator(Actor):
         else from torchstore) and reset the prefix cache. An unavailable version raises and keeps the old one."""
         if version < self.policy_version:
             raise StaleWeightsError(f"refusing to go back from policy_version={self.policy_version} to {version}")
+        with self.busy_log.busy("pull_weights"):
+            await self._pull(version, store_name)
+        self.policy_version = version
+        return version
+
+    async def _pull(self, version: int, store_name: str) -> None:
         if self.weight_loader is not None:
             self.weight_loader.load(self._engine(), version)  # checks that exactly `version` was loaded
         else:
             from meshrl.weight_sync.store import pull_weights  # torchstore only on this path
 
             self._engine().load_weights(await pull_weights(version, store_name=store_name))
-        self.policy_version = version
-        return version
 
     async def __cleanup__(self, exc: Exception | None) -> None:
         # Monarch calls this when the mesh stops: let go of the trainer's shared buffer before this process exits,

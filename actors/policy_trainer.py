@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity, remove_shared_files
 from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
@@ -27,6 +28,7 @@ class PolicyTrainer(Actor):
         self.policy = None
         self.weight_transport = "torchstore"  # set_weight_sync: the controller resolves it once the processes run
         self.weight_handle = None  # rank 0, shared-buffer transports: the buffer's handle, for the generators
+        self.busy_log = BusyLog(f"trainer:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
     def _policy(self):
         if self.policy is None:
@@ -72,11 +74,18 @@ class PolicyTrainer(Actor):
     async def forward_backward(
         self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
     ) -> ForwardBackwardResult:
-        return self._policy().forward_backward(data, loss, step)
+        with self.busy_log.busy("forward_backward"):
+            return self._policy().forward_backward(data, loss, step)
 
     @endpoint
     async def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
-        return self._policy().forward(data, temperature)
+        with self.busy_log.busy("forward"):
+            return self._policy().forward(data, temperature)
+
+    @endpoint
+    async def timeline(self) -> list[dict]:
+        """This rank's busy intervals since the last call (meshrl.timeline)."""
+        return self.busy_log.take()
 
     @endpoint
     async def optim_step(self, params: OptimParams) -> OptimResult:
@@ -94,6 +103,10 @@ class PolicyTrainer(Actor):
         """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`:
         into torchstore, or into rank 0's shared flat buffer (allocated on the first push; 'cuda_ipc' on its GPU,
         'shm' in /dev/shm on CPU). Returns the bytes published (0 on the other ranks)."""
+        with self.busy_log.busy("push_weights"):
+            return await self._push_weights(version, dtype, store_name)
+
+    async def _push_weights(self, version: int, dtype: str, store_name: str) -> int:
         p = self._policy()
         if self.weight_transport == "torchstore":
             from meshrl.weight_sync.store import push_weights

@@ -5,14 +5,16 @@ script reach this process with it, and names were resolved at launch, so a bad n
 
 from __future__ import annotations
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.rewards import RewardSet, ScoredSample
+from meshrl.timeline import BusyLog
 
 
 class RewardActor(Actor):
     def __init__(self, rewards: RewardSet) -> None:
         self.rewards = rewards
+        self.busy_log = BusyLog(f"reward:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
     @endpoint
     def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
@@ -22,4 +24,10 @@ class RewardActor(Actor):
                 f"{len(completions)} completions for {len(rows)} rows of group_size={group_size}: expected "
                 f"{len(rows) * group_size}"
             )
-        return self.rewards.score(completions, [row for row in rows for _ in range(group_size)], group_size)
+        with self.busy_log.busy("score"):
+            return self.rewards.score(completions, [row for row in rows for _ in range(group_size)], group_size)
+
+    @endpoint
+    def timeline(self) -> list[dict]:
+        """This process's busy intervals since the last call (meshrl.timeline)."""
+        return self.busy_log.take()

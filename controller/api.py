@@ -467,6 +467,14 @@ class Controller:
         runner = EpisodeRunner(make, EpisodeRenderer(renderer), self.complete, limits, group_rewards=group_rewards)
         return runner.run([as_row(r) for r in rows], group_size, sampling, seed)
 
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every actor's busy intervals since the last call (`meshrl.timeline`), by start time. Waits for the
+        actors' queued work: call it between steps of a synchronous loop, or at the end of an asynchronous one."""
+        meshes = [m for m in (self.trainer, self.generators, self.reward) if m is not None]
+        futures = [m.timeline.call() for m in meshes]
+        parts = [part for fut in futures for part in fut.get(timeout=self.timeout_s).values()]
+        return sorted((i for part in parts for i in part), key=lambda i: i["start"])
+
     @staticmethod
     def _need(what: str, mesh: Any) -> None:
         if mesh is None:

@@ -313,6 +313,7 @@ def main(
             if stopped := ckpts.after_step(ctl, done, cfg.grpo.steps, checkpoint_state):
                 return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
 
+        timeline = write_timeline(run, ctl.timeline(), rl_window=[r for r in run.read_metrics() if r["phase"] == "rl"])
         after = run_eval("after_rl", cfg.grpo.steps)
         last_ckpt = ckpts.save(ctl, cfg.grpo.steps, checkpoint_state())
         final_dir = ctl.export_hf(str(run.path / "final_model"))
@@ -338,6 +339,7 @@ def main(
         "resumable_checkpoint": last_ckpt,
         "metrics": str(run.metrics_path),
         "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")),
+        "timeline": timeline,
     }
     run.write_json("summary.json", summary)
     print(f"[meshrl] reward: first 5 steps {first:.3f} → last 5 steps {last:.3f} (gain {last - first:+.3f})")
@@ -349,6 +351,27 @@ def main(
         f"[meshrl] summary:    {run.path / 'summary.json'}"
     )
     return summary
+
+
+def write_timeline(run: RunDir, intervals: list[dict], *, rl_window: list[dict], last_steps: int = 5) -> str:
+    """The actors' busy intervals of the run (this process's part of it, after a resume) as `timeline.jsonl`, and
+    the last `last_steps` RL steps as `timeline.png`: where generation, scoring, training and weight sync overlap."""
+    import json
+
+    path = run.path / "timeline.jsonl"
+    with path.open("a") as f:
+        for interval in intervals:
+            f.write(json.dumps(interval) + "\n")
+    steps = [r["time_step_s"] for r in rl_window[-last_steps:] if "time_step_s" in r]
+    ends = [i["end"] for i in intervals if i["what"] in ("forward_backward", "push_weights")]
+    if steps and ends:
+        end = max(ends)
+        start = end - sum(steps) * 1.02
+        recent = [i for i in intervals if i["end"] >= start and i["start"] <= end]
+        from meshrl.timeline import plot_timeline
+
+        plot_timeline(recent, run.path / "timeline.png", title=f"the last {len(steps)} RL steps: who is busy when")
+    return str(path)
 
 
 def restore_sampler(state: dict, num_prompts: int) -> EpochSampler:

@@ -66,6 +66,12 @@ def test_async_run_staleness_resume_and_timing(tmp_path):
         assert r["staleness_max"] == 1 and set(r["staleness_hist"]) <= {"0", "1"}
         assert r["groups_dropped_stale"] == 0
     assert all(r["staleness_max"] <= 1 for r in rl)
+    # The timeline shows the overlap: the generator sampled the next step while the trainer trained this one.
+    intervals = [json.loads(line) for line in (a / "timeline.jsonl").read_text().splitlines()]
+    gens = [i for i in intervals if i["actor"].startswith("generator") and i["what"] == "generate"]
+    trains = [i for i in intervals if i["actor"].startswith("trainer") and i["what"] == "forward_backward"]
+    assert any(g["start"] < t["end"] and t["start"] < g["end"] for g in gens for t in trains)
+    assert (a / "timeline.png").stat().st_size > 0 and summary_a["timeline"] == str(a / "timeline.jsonl")
 
     # Slow scoring: the generators get further ahead in wall time, never in versions; the same run bitwise.
     _run(tmp_path, "slow", fn=slow_reward)
