@@ -20,16 +20,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import random
 import statistics
 import tempfile
 import time
 import traceback
+from pathlib import Path
+from typing import Any
 
 from common import ensure_meshrl_layout, environment, make_model_dir, print_table, write_json
 
 
-def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: bool) -> dict:
+def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: bool, staleness: int = 0) -> dict:
+    """`staleness` 1: the asynchronous schedule of `--grpo.max-staleness 1` (controller/rollout_buffer.py): step
+    t+1's generation is sent before step t trains, and the new weights are published without waiting for the
+    generator (its load is queued behind that generation)."""
     from meshrl.advantages import compute_advantages
     from meshrl.algorithms import step_loss_spec
     from meshrl.config import GeneratorConfig, GRPOConfig, ModelConfig, TrainerConfig
@@ -68,10 +75,19 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
         used = getattr(ctl, "weight_transport", None) or "torchstore"
         print(f"[{used}] controller up in {start_s:.1f}s", flush=True)
         ctl.sync_weights()  # version 0 into the generator (opens the shared buffer for cuda_ipc)
+        ctl.timeline()  # start the timeline here
+
+        def send() -> tuple[list, Any]:
+            examples = rng.sample(task.train, P)
+            return examples, ctl.generate([tok.encode(r.prompt) for r in examples], sampling)
+
+        ahead = send() if staleness else None
         for step in range(args.steps):
             t0 = time.perf_counter()
-            examples = rng.sample(task.train, P)
-            groups = ctl.generate([tok.encode(r.prompt) for r in examples], sampling).result()
+            examples, pending_groups = ahead if staleness else send()
+            groups = pending_groups.result()
+            if staleness and step + 1 < args.steps:
+                ahead = send()  # the next step's generation runs while this one scores and trains
             completions = [c for g in groups for c in g]
             t1 = time.perf_counter()
             texts = [tok.decode(c.token_ids) for c in completions]
@@ -87,7 +103,7 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
             results = [p.result() for p in pending]
             opt = ctl.optim_step(OptimParams(lr=1e-6, grad_clip=1.0)).result()
             t3 = time.perf_counter()
-            sync = ctl.sync_weights()
+            sync = ctl.sync_weights(wait=not staleness)
             t4 = time.perf_counter()
             diffs = [
                 abs(t - o)
@@ -115,16 +131,25 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
                 "trainer_vs_generator_logprob_diff_mean": statistics.fmean(diffs),
                 "trainer_vs_generator_logprob_diff_max": max(diffs),
             }
+            rec["staleness"] = opt.policy_version - 1 - completions[0].policy_version
             steps.append(rec)
             print(
-                f"[{used}] step {step}: generate {rec['generate_s']:.2f}s score {rec['score_s']:.2f}s "
+                f"[{used} K={staleness}] step {step}: generate {rec['generate_s']:.2f}s score {rec['score_s']:.2f}s "
                 f"train {rec['train_s']:.2f}s sync {rec['sync_s']:.3f}s total {rec['total_s']:.2f}s "
                 f"(|lp diff| mean {rec['trainer_vs_generator_logprob_diff_mean']:.2e})",
                 flush=True,
             )
+        intervals = ctl.timeline()
+    if os.environ.get("OUT") or args.tiny:
+        from meshrl.timeline import plot_timeline
+
+        out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp())
+        (out_dir / f"timeline_{used}_k{staleness}.json").write_text(json.dumps(intervals))
+        plot_timeline(intervals, out_dir / f"timeline_{used}_k{staleness}.png", title=f"{used}, K={staleness}")
     timed = steps[args.warmup :] or steps
     med = {k: statistics.median(s[k] for s in timed) for k in steps[0] if k.endswith("_s") or k.endswith("_per_s")}
     return {
+        "staleness": staleness,
         "transport_requested": transport,
         "transport": used,
         "controller_start_s": start_s,
@@ -149,6 +174,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=12.0, help="generator KV cache")
     ap.add_argument("--transports", default="torchstore,cuda_ipc", help="tried in order where the config has them")
     ap.add_argument("--call-timeout", type=float, default=180.0, help="Controller call timeout (s)")
+    ap.add_argument("--staleness", default="0", help="comma list: 0 = synchronous loop, 1 = asynchronous (K=1)")
     args = ap.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.prompts, args.group, args.max_tokens = 2, 1, 4, 4, 8
@@ -174,13 +200,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     payload = {"env": environment(), "weight_sync_field": has_choice, "results": results}
     for t in transports:
-        try:
-            r = run_transport(args, t, model_dir, task, on_gpu)
-            results[r["transport"]] = r
-        except Exception:  # noqa: BLE001 - keep the other transport's result
-            results[f"{t}_error"] = {"error": traceback.format_exc()[-4000:]}
-            print(results[f"{t}_error"]["error"], flush=True)
-        write_json("grpo_step", payload)
+        for k in [int(x) for x in args.staleness.split(",")]:
+            try:
+                r = run_transport(args, t, model_dir, task, on_gpu, staleness=k)
+                results[r["transport"] + (f"/K={k}" if k else "")] = r
+            except Exception:  # noqa: BLE001 - keep the other configurations' results
+                results[f"{t}/K={k}_error"] = {"error": traceback.format_exc()[-4000:]}
+                print(results[f"{t}/K={k}_error"]["error"], flush=True)
+            write_json("grpo_step", payload)
 
     rows = []
     for name, r in results.items():
@@ -196,7 +223,7 @@ def main() -> None:
         f"GRPO step end to end{' (TINY)' if args.tiny else ''}, {payload['env']['device']}: "
         f"{cfg.get('prompts')} prompts x {cfg.get('group')}, {cfg.get('max_tokens')} new tokens, "
         f"median of steps >= {args.warmup}",
-        ["weight sync", "step s", "generate s", "score s", "train s", "sync s", "gen tok/s", "|lp diff|"],
+        ["weight sync", "step s", "waiting for generation s", "score s", "train s", "sync s", "gen tok/s", "|lp diff|"],
         rows,
     )
 

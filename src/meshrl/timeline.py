@@ -78,7 +78,7 @@ def plot_timeline(intervals: Sequence[dict[str, Any]], path: str | Path, *, titl
     ax.set_xlabel("seconds")
     ax.set_title(title)
     if seen:
-        ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
