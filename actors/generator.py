@@ -8,7 +8,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
-from meshrl.weight_sync.transport import DEFAULT_STORE
+from meshrl.weight_sync.pubsub import DEFAULT_STORE
 
 
 class StaleWeightsError(RuntimeError):
@@ -21,7 +21,7 @@ class Generator(Actor):
         self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
         self.engine = None
         self.policy_version = 0
-        self.weight_loader = None  # set by attach_weight_buffer: pull from the trainer's shared buffer
+        self.subscriber = None  # torchstore until attach_weight_buffer (meshrl.weight_sync.pubsub)
         self.busy_log = BusyLog(f"generator:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
     def _engine(self):
@@ -93,40 +93,35 @@ class Generator(Actor):
     async def attach_weight_buffer(self, handle) -> str:
         """Pull weights from now on from the trainer's shared buffer ('cuda_ipc' / 'shm' transport; `handle`:
         `meshrl.weight_sync.cuda_ipc.CudaIpcHandle`, sent once by the controller). Returns the transport."""
-        from meshrl.weight_sync.transport import SharedBufferLoader
+        from meshrl.weight_sync.pubsub import SharedBufferSubscriber
 
-        if self.weight_loader is not None:
-            self.weight_loader.close()
-        self.weight_loader = SharedBufferLoader(handle, self._engine())
-        return self.weight_loader.transport
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.subscriber = SharedBufferSubscriber(handle, self._engine())
+        return self.subscriber.transport
 
     @endpoint
     async def pull_weights(self, version: int, store_name: str = DEFAULT_STORE) -> int:
         """Load exactly the weights pushed under `version` in place (from the shared buffer once one is attached,
         else from torchstore) and reset the prefix cache. An unavailable version raises and keeps the old one."""
+        from meshrl.weight_sync.pubsub import StoreSubscriber
+
         if version < self.policy_version:
             raise StaleWeightsError(f"refusing to go back from policy_version={self.policy_version} to {version}")
+        subscriber = self.subscriber or StoreSubscriber(store_name)
         with self.busy_log.busy("pull_weights"):
-            await self._pull(version, store_name)
+            await subscriber.load(self._engine(), version)  # checks that exactly `version` was loaded
         self.policy_version = version
         return version
-
-    async def _pull(self, version: int, store_name: str) -> None:
-        if self.weight_loader is not None:
-            self.weight_loader.load(self._engine(), version)  # checks that exactly `version` was loaded
-        else:
-            from meshrl.weight_sync.store import pull_weights  # torchstore only on this path
-
-            self._engine().load_weights(await pull_weights(version, store_name=store_name))
 
     async def __cleanup__(self, exc: Exception | None) -> None:
         # Monarch calls this when the mesh stops: let go of the trainer's shared buffer before this process exits,
         # so CUDA IPC's reference count on the trainer's side drops to zero.
-        if self.weight_loader is not None:
-            self.weight_loader.close()
-            self.weight_loader = None
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
 
     @endpoint
     async def info(self) -> dict:
-        transport = "torchstore" if self.weight_loader is None else self.weight_loader.transport
+        transport = "torchstore" if self.subscriber is None else self.subscriber.transport
         return {"policy_version": self.policy_version, "engine": self.cfg.engine, "weight_sync": transport}

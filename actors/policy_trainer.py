@@ -10,8 +10,8 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity, remove_shared_files
-from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
+from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity
+from meshrl.weight_sync.pubsub import DEFAULT_STORE, StorePublisher, make_publisher
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -26,8 +26,8 @@ class PolicyTrainer(Actor):
             pad_id,
         )
         self.policy = None
-        self.weight_transport = "torchstore"  # set_weight_sync: the controller resolves it once the processes run
-        self.weight_handle = None  # rank 0, shared-buffer transports: the buffer's handle, for the generators
+        # torchstore until set_weight_sync: the controller resolves the transport once the processes run.
+        self.publisher = make_publisher("torchstore")
         self.busy_log = BusyLog(f"trainer:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
     def _policy(self):
@@ -92,47 +92,30 @@ class PolicyTrainer(Actor):
         return self._policy().optim_step(params)
 
     @endpoint
-    async def set_weight_sync(self, transport: str) -> None:
+    async def set_weight_sync(self, transport: str, store_name: str = DEFAULT_STORE) -> None:
         """'torchstore', 'cuda_ipc' or 'shm' (resolved by the controller, meshrl.weight_sync.transport)."""
-        if transport not in ("torchstore", *SHARED_BUFFER_TRANSPORTS):
-            raise ValueError(f"weight transport {transport!r}; use 'torchstore', 'cuda_ipc' or 'shm'")
-        self.weight_transport = transport
+        if self.publisher is not None:
+            self.publisher.close()
+        self.publisher = make_publisher(transport, store_name)
 
     @endpoint
-    async def push_weights(self, version: int, dtype: str = "float32", store_name: str = DEFAULT_STORE) -> int:
-        """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`:
-        into torchstore, or into rank 0's shared flat buffer (allocated on the first push; 'cuda_ipc' on its GPU,
-        'shm' in /dev/shm on CPU). Returns the bytes published (0 on the other ranks)."""
+    async def push_weights(self, version: int, dtype: str = "float32", store_name: str | None = None) -> int:
+        """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`, with
+        the run's transport (meshrl.weight_sync.pubsub). Returns the bytes published (0 on the other ranks)."""
+        if store_name is not None and isinstance(self.publisher, StorePublisher):
+            self.publisher.store_name = store_name
         with self.busy_log.busy("push_weights"):
-            return await self._push_weights(version, dtype, store_name)
-
-    async def _push_weights(self, version: int, dtype: str, store_name: str) -> int:
-        p = self._policy()
-        if self.weight_transport == "torchstore":
-            from meshrl.weight_sync.store import push_weights
-
-            state_dict = p.hf_state_dict(_DTYPES[dtype])
-            return await push_weights(state_dict, version, store_name=store_name) if p.rank == 0 else 0
-        handle = p.publish_weights_ipc(version, _DTYPES[dtype])  # collective; the handle on rank 0 only
-        if handle is None:
-            return 0
-        backing = "shm" if handle.buffer[0] == "shm" else "cuda_ipc"
-        if backing != self.weight_transport:  # the config checks rule this out; say so if they ever disagree
-            raise RuntimeError(f"weight transport {self.weight_transport!r}, but the trainer's buffer is {backing!r}")
-        self.weight_handle = handle
-        return handle.layout.payload_nbytes
+            return await self.publisher.publish(self._policy(), version, _DTYPES[dtype])
 
     @endpoint
     async def weight_buffer(self) -> CudaIpcHandle | None:
         """The shared buffer's handle (rank 0, after the first push with a shared-buffer transport), else None."""
-        return self.weight_handle
+        return self.publisher.handle()
 
     async def __cleanup__(self, exc: Exception | None) -> None:
-        # Monarch calls this when the mesh stops. The buffer's host files (and a CPU buffer's /dev/shm memory) would
-        # otherwise outlive the run; mappings that generators hold keep working until they exit.
-        if self.weight_handle is not None:
-            remove_shared_files(self.weight_handle)
-            self.weight_handle = None
+        # Monarch calls this when the mesh stops: the publisher removes what would outlive the run.
+        if self.publisher is not None:
+            self.publisher.close()
 
     @endpoint
     async def save_checkpoint(self, path: str) -> None:

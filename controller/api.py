@@ -13,16 +13,15 @@ import dataclasses
 import itertools
 import os
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import monarch.actor
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import this_host
 
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
+from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F401 - ActorDiedError: re-exported
+from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
 from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
     Completion,
@@ -33,40 +32,12 @@ from meshrl.types import (
     OptimResult,
     SamplingParams,
 )
-from meshrl.weight_sync.cuda_ipc import remove_shared_files, remove_stale_files
-from meshrl.weight_sync.store import DEFAULT_STORE, delete_weights, init_weight_store, shutdown_weight_store
-from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS, describe_transport, resolve_transport
+from meshrl.weight_sync.cuda_ipc import remove_stale_files
+from meshrl.weight_sync.store import DEFAULT_STORE, init_weight_store, shutdown_weight_store
+from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 
 T = TypeVar("T")
 _controller_ids = itertools.count()
-
-
-class ActorDiedError(RuntimeError):
-    """An actor process of the run died (killed, OOM, crashed)."""
-
-
-class Pending(Generic[T]):
-    """A result that is still being computed by one or more actors."""
-
-    def __init__(self, futures: list[Any], combine: Callable[[list[Any]], T], timeout_s: float, what: str) -> None:
-        self._futures, self._combine, self._timeout_s, self._what = futures, combine, timeout_s, what
-        self._value: Any = None
-        self._done = False
-
-    def result(self) -> T:
-        if not self._done:
-            try:
-                values = [f.get(timeout=self._timeout_s) for f in self._futures]
-            except TimeoutError as e:
-                raise TimeoutError(
-                    f"{self._what} did not answer within {self._timeout_s:.0f}s (run.call_timeout_s); an actor "
-                    "is stuck or its process died"
-                ) from e
-            except SupervisionError as e:
-                first_line = str(e).strip().splitlines()[-1].strip()
-                raise ActorDiedError(f"{self._what} failed because an actor process died: {first_line}") from e
-            self._value, self._done = self._combine(values), True
-        return self._value
 
 
 def padding_id(tokenizer: Any, model_dir: str) -> int:
@@ -90,21 +61,6 @@ def _export_import_path() -> None:
     extra = [p for p in (os.getcwd(), sys.path[0] if sys.path and sys.path[0] else None) if p]
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(current + extra))
-
-
-def _rank0(values: list[Any]) -> Any:
-    """Trainer endpoints return the same (already all-reduced) value on every rank; take rank 0's."""
-    (value_mesh,) = values
-    return next(iter(value_mesh.values()))
-
-
-@dataclass
-class WeightSyncTiming:
-    version: int
-    push_s: float
-    pull_s: float
-    bytes: int
-    transport: str = "torchstore"
 
 
 class Controller:
@@ -171,9 +127,7 @@ class Controller:
         # versions, and shutting one down leaves the other's store alone.
         self.store_name = f"{DEFAULT_STORE}-{os.getpid()}-{next(_controller_ids)}"
         self.num_replicas, self.generator_info = 0, []
-        self.weight_transport: str | None = None
-        self._buffer_attached = False
-        self._weight_handle = None  # the shared buffer's handle, once attached (its files are removed at shutdown)
+        self.weights: WeightSync | None = None  # trainer -> generators (controller/weight_sync.py)
         if generator_cfg is not None:
             if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
                 asyncio.run(init_weight_store(self.store_name))
@@ -197,25 +151,32 @@ class Controller:
             if self.trainer is not None:
                 self._start_weight_sync(generator_cfg.weight_sync)
         self.policy_version = self.trainer_info["policy_version"]
-        self._last_synced: int | None = None
-        self._pulls_in_flight: list[tuple[int, Any]] = []  # sync_weights(wait=False) loads not yet confirmed
-        self._stored_versions: list[int] = []  # torchstore versions not deleted yet
-        self.versions_kept = 2  # torchstore versions kept while loads are queued (the async loop: K + 1)
 
     def _start_weight_sync(self, requested: str) -> None:
-        """Resolve generator.weight_sync against where the processes actually run (trainer rank 0 publishes) and
-        tell the trainer. Shared-buffer transports hand the buffer to the generators at the first sync."""
+        """The run's one weight-sync object, its transport resolved against where the processes actually run."""
+        self.weights = WeightSync(
+            self.trainer, self.generators, self.generator_cfg.dtype, self.store_name, self.timeout_s
+        )
         trainer = self.trainer_info["device_identity"]
-        generators = [g["device_identity"] for g in self.generator_info]
         try:
-            self.weight_transport = resolve_transport(requested, trainer, generators)
+            self.weights.start(trainer, [g["device_identity"] for g in self.generator_info], requested)
         except Exception:
             self.shutdown()  # a placement that cannot do what was asked: fail at launch, leave no processes
             raise
-        Pending(
-            [self.trainer.set_weight_sync.call(self.weight_transport)], _rank0, self.timeout_s, "set_weight_sync"
-        ).result()
-        print(f"[meshrl] {describe_transport(self.weight_transport, trainer, generators)}", flush=True)
+
+    @property
+    def weight_transport(self) -> str | None:
+        return None if self.weights is None else self.weights.transport
+
+    @property
+    def versions_kept(self) -> int:
+        """torchstore versions kept while generators' loads are queued (the asynchronous loop sets K + 1)."""
+        return self.weights.versions_kept if self.weights is not None else 2
+
+    @versions_kept.setter
+    def versions_kept(self, n: int) -> None:
+        if self.weights is not None:
+            self.weights.versions_kept = n
 
     # ---- trainer ------------------------------------------------------------------------------------------
     def forward_backward(
@@ -301,50 +262,7 @@ class Controller:
         the next `generate` result."""
         self._need("generators", self.generators)
         self._need("a trainer", self.trainer)
-        version = self.policy_version if version is None else version
-        transport = self.weight_transport
-        if version == self._last_synced:
-            return WeightSyncTiming(version, 0.0, 0.0, 0, transport)  # generators already serve it
-        t0 = time.perf_counter()
-        pushed = Pending(
-            [self.trainer.push_weights.call(version, self.generator_cfg.dtype, self.store_name)],
-            lambda v: sum(v[0].values()),
-            self.timeout_s,
-            "push_weights",
-        ).result()
-        if transport in SHARED_BUFFER_TRANSPORTS and not self._buffer_attached:
-            self._attach_weight_buffer()  # once: the buffer exists from the first push on
-        t1 = time.perf_counter()
-        pull = self.generators.pull_weights.call(version, self.store_name)
-        self._last_synced = version
-        if transport == "torchstore":
-            self._stored_versions.append(version)
-        if not wait:
-            self._pulls_in_flight.append((version, pull))
-            self._free_store(keep=self.versions_kept)
-            return WeightSyncTiming(version, t1 - t0, 0.0, pushed, transport)
-        versions = Pending([pull], lambda v: list(v[0].values()), self.timeout_s, "pull_weights").result()
-        if set(versions) != {version}:
-            raise RuntimeError(f"generators report versions {versions} after pulling {version}")
-        self._pulls_in_flight.clear()  # served in order: every earlier queued load is done
-        self._free_store(keep=1)  # the generators have moved on
-        return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed, transport)
-
-    def _free_store(self, keep: int) -> None:
-        """Delete all but the newest `keep` versions from torchstore (a queued load may still need the newer ones)."""
-        while len(self._stored_versions) > keep:
-            asyncio.run(delete_weights(self._stored_versions.pop(0), store_name=self.store_name))
-
-    def _attach_weight_buffer(self) -> None:
-        handles = Pending(
-            [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
-        ).result()
-        (handle,) = [h for h in handles if h is not None]  # rank 0's
-        self._weight_handle = handle
-        Pending(
-            [self.generators.attach_weight_buffer.call(handle)], lambda v: v, self.timeout_s, "attach_weight_buffer"
-        ).result()
-        self._buffer_attached = True
+        return self.weights.sync(self.policy_version if version is None else version, wait=wait)
 
     # ---- generation and scoring ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Pending[list[list[Completion]]]:
@@ -353,7 +271,7 @@ class Controller:
         self._need("generators", self.generators)
         # Loads queued by sync_weights(wait=False) run before this call on every generator: wait on them with it,
         # so that a failed load fails this call (with its own message) instead of passing unnoticed.
-        pulls, self._pulls_in_flight = self._pulls_in_flight, []
+        loads = self.weights.take_loads_in_flight() if self.weights is not None else []
         shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
         futures = [
             self.generators.slice(procs=i).generate.call_one(
@@ -364,16 +282,14 @@ class Controller:
         ]
 
         def interleave(parts: list[Any]) -> list[list[Completion]]:
-            for (version, _), loaded in zip(pulls, parts, strict=False):
-                if set(loaded.values()) != {version}:
-                    raise RuntimeError(f"generators report versions {list(loaded.values())} after pulling {version}")
-            parts = parts[len(pulls) :]
+            WeightSync.check_loaded(loads, parts[: len(loads)])
+            parts = parts[len(loads) :]
             out: list[list[Completion]] = [None] * len(prompts)  # type: ignore[list-item]
             for i, part in enumerate(parts):
                 out[i :: self.num_replicas] = part
             return out
 
-        return Pending([fut for _, fut in pulls] + futures, interleave, self.timeout_s, "generate")
+        return Pending([fut for _, fut in loads] + futures, interleave, self.timeout_s, "generate")
 
     def complete(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as
@@ -506,9 +422,8 @@ class Controller:
                     fut.get(timeout=timeout)
                 except Exception:  # noqa: BLE001
                     pass
-        if self._weight_handle is not None:
-            # The trainer unlinks these on a clean exit; a killed trainer never does. Same host by construction.
-            remove_shared_files(self._weight_handle)
+        if self.weights is not None:
+            self.weights.after_shutdown()
 
     def __enter__(self) -> Controller:
         return self

@@ -1,5 +1,5 @@
-"""Which weight-sync transport a run uses (`GeneratorConfig.weight_sync`), and the generator side of the
-shared-buffer transports. No Monarch in here: the actors and the controller call these with plain data.
+"""Which weight-sync transport a run uses (`GeneratorConfig.weight_sync`); the transports themselves are the
+publisher / subscriber pairs of `pubsub.py`. No Monarch in here: the controller calls these with plain data.
 
 - 'torchstore': trainer rank 0 puts the full weights (cast to the generator dtype) into torchstore's storage
   process and every generator gets them from there (`store.py`). Works whatever the placement; the weights
@@ -17,14 +17,10 @@ shared-buffer transports. No Monarch in here: the actors and the controller call
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from meshrl.config import WEIGHT_SYNC_TRANSPORTS, ConfigError
-from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcReceiver, choose_transport
-
-SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
-DEFAULT_STORE = "meshrl"  # the torchstore name when none is given (each Controller uses its own)
-"""Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
+from meshrl.weight_sync.cuda_ipc import choose_transport
+from meshrl.weight_sync.pubsub import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
 
 def _host(identity: str) -> str:
@@ -74,38 +70,4 @@ def describe_transport(transport: str, trainer: str, generators: Sequence[str]) 
     return f"weight sync: {transport} ({where})"
 
 
-class SharedBufferLoader:
-    """Generator side of 'cuda_ipc' / 'shm': the handle (sent once) and `load(engine, version)`, which loads
-    exactly `version` or raises.
-
-    The trainer only overwrites a slot that is neither the latest version nor being read, and a reader only
-    reads a slot marked with the version it asked for (`cuda_ipc.py`), so what is loaded is one whole version.
-    """
-
-    def __init__(self, handle: CudaIpcHandle, engine: Any) -> None:
-        self.handle = handle
-        # vLLM copies inside its worker processes, which open the handle themselves (VLLMEngine.load_weights_ipc);
-        # any other engine (HFEngine) loads views that this process maps once, here, so a bad handle fails now.
-        self._in_workers = hasattr(engine, "load_weights_ipc")
-        self._receiver = None if self._in_workers else CudaIpcReceiver(handle)
-
-    @property
-    def transport(self) -> str:
-        return "shm" if self.handle.buffer[0] == "shm" else "cuda_ipc"
-
-    def load(self, engine: Any, version: int) -> int:
-        if self._in_workers:
-            got = engine.load_weights_ipc(self.handle, version)
-        else:
-            got = self._receiver.load_into(engine, version)
-        if got != version:  # the protocol makes this impossible; never serve a version that was not asked for
-            raise RuntimeError(f"asked the shared weight buffer for version {version} but version {got} was loaded")
-        return got
-
-    def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
-
-
-__all__ = ["SHARED_BUFFER_TRANSPORTS", "SharedBufferLoader", "describe_transport", "resolve_transport"]
+__all__ = ["DEFAULT_STORE", "SHARED_BUFFER_TRANSPORTS", "describe_transport", "resolve_transport"]

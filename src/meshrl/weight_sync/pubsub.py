@@ -1,0 +1,176 @@
+"""Weight sync as one publisher / subscriber pair per transport: the trainer's actors call
+`publisher.publish(policy, version, dtype)`, the generators' `subscriber.load(engine, version)`, and neither knows
+which transport runs underneath (`transport.py` resolves it; the controller holds one `WeightSync`,
+controller/weight_sync.py).
+
+| transport  | publisher (trainer, every rank)                       | subscriber (each generator)                   |
+| ---------- | ----------------------------------------------------- | --------------------------------------------- |
+| torchstore | rank 0 puts the full weights into torchstore          | gets exactly `version` from torchstore         |
+| cuda_ipc   | rank 0 copies into its persistent flat GPU buffer     | copies out through the IPC handle (sent once) |
+| shm        | the same flat buffer in /dev/shm (CPU runs and tests) | the same, from the mapped file                |
+
+No Monarch in here; torchstore is imported only where used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcReceiver, remove_shared_files
+
+SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
+"""Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
+DEFAULT_STORE = "meshrl"
+"""The torchstore name when none is given (each Controller uses its own)."""
+
+
+class WeightPublisher(Protocol):
+    transport: str
+
+    async def publish(self, policy: Any, version: int, dtype: torch.dtype) -> int:
+        """Publish the policy's full weights under `version`, cast to `dtype` (collective over the trainer ranks);
+        the bytes this rank published."""
+        ...
+
+    def handle(self) -> Any:
+        """What a subscriber needs to attach (the shared buffer's handle, on rank 0 after the first publish), or
+        None."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WeightSubscriber(Protocol):
+    transport: str
+
+    async def load(self, engine: Any, version: int) -> int:
+        """Load exactly `version` into `engine` (or raise, keeping the weights it has)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class StorePublisher:
+    """'torchstore': rank 0 puts the weights into the store's storage process."""
+
+    transport = "torchstore"
+
+    def __init__(self, store_name: str = DEFAULT_STORE) -> None:
+        self.store_name = store_name
+
+    async def publish(self, policy: Any, version: int, dtype: torch.dtype) -> int:
+        from meshrl.weight_sync.store import push_weights
+
+        state_dict = policy.hf_state_dict(dtype)  # collective: every rank takes part
+        return await push_weights(state_dict, version, store_name=self.store_name) if policy.rank == 0 else 0
+
+    def handle(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class SharedBufferPublisher:
+    """'cuda_ipc' / 'shm': rank 0 copies into its flat buffer (allocated on the first publish)."""
+
+    def __init__(self, transport: str) -> None:
+        if transport not in SHARED_BUFFER_TRANSPORTS:
+            raise ValueError(f"{transport!r} is not a shared-buffer transport ({SHARED_BUFFER_TRANSPORTS})")
+        self.transport = transport
+        self._handle: CudaIpcHandle | None = None
+
+    async def publish(self, policy: Any, version: int, dtype: torch.dtype) -> int:
+        handle = policy.publish_weights_ipc(version, dtype)  # collective; the handle on rank 0 only
+        if handle is None:
+            return 0
+        backing = "shm" if handle.buffer[0] == "shm" else "cuda_ipc"
+        if backing != self.transport:  # the config checks rule this out; say so if they ever disagree
+            raise RuntimeError(f"weight transport {self.transport!r}, but the trainer's buffer is {backing!r}")
+        self._handle = handle
+        return handle.layout.payload_nbytes
+
+    def handle(self) -> CudaIpcHandle | None:
+        return self._handle
+
+    def close(self) -> None:
+        # The buffer's host files (and a CPU buffer's /dev/shm memory) would otherwise outlive the run; mappings
+        # that generators hold keep working until they exit.
+        if self._handle is not None:
+            remove_shared_files(self._handle)
+            self._handle = None
+
+
+def make_publisher(transport: str, store_name: str = DEFAULT_STORE) -> WeightPublisher:
+    if transport == "torchstore":
+        return StorePublisher(store_name)
+    if transport in SHARED_BUFFER_TRANSPORTS:
+        return SharedBufferPublisher(transport)
+    raise ValueError(f"weight transport {transport!r}; use 'torchstore', 'cuda_ipc' or 'shm'")
+
+
+class StoreSubscriber:
+    """'torchstore': get exactly `version` from the store."""
+
+    transport = "torchstore"
+
+    def __init__(self, store_name: str = DEFAULT_STORE) -> None:
+        self.store_name = store_name
+
+    async def load(self, engine: Any, version: int) -> int:
+        from meshrl.weight_sync.store import pull_weights
+
+        engine.load_weights(await pull_weights(version, store_name=self.store_name))
+        return version
+
+    def close(self) -> None:
+        pass
+
+
+class SharedBufferSubscriber:
+    """'cuda_ipc' / 'shm': the handle (sent once) and `load(engine, version)`, which loads exactly `version` or
+    raises. The trainer only overwrites a slot that is neither the latest version nor being read, and a reader only
+    reads a slot marked with the version it asked for (`cuda_ipc.py`), so what is loaded is one whole version."""
+
+    def __init__(self, handle: CudaIpcHandle, engine: Any) -> None:
+        self.handle = handle
+        # vLLM copies inside its worker processes, which open the handle themselves (VLLMEngine.load_weights_ipc);
+        # any other engine (HFEngine) loads views that this process maps once, here, so a bad handle fails now.
+        self._in_workers = hasattr(engine, "load_weights_ipc")
+        self._receiver = None if self._in_workers else CudaIpcReceiver(handle)
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.handle.buffer[0] == "shm" else "cuda_ipc"
+
+    async def load(self, engine: Any, version: int) -> int:
+        return self.load_now(engine, version)
+
+    def load_now(self, engine: Any, version: int) -> int:
+        if self._in_workers:
+            got = engine.load_weights_ipc(self.handle, version)
+        else:
+            got = self._receiver.load_into(engine, version)
+        if got != version:  # the protocol makes this impossible; never serve a version that was not asked for
+            raise RuntimeError(f"asked the shared weight buffer for version {version} but version {got} was loaded")
+        return got
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+
+__all__ = [
+    "DEFAULT_STORE",
+    "SHARED_BUFFER_TRANSPORTS",
+    "SharedBufferPublisher",
+    "SharedBufferSubscriber",
+    "StorePublisher",
+    "StoreSubscriber",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "make_publisher",
+]
