@@ -3,6 +3,8 @@ stamped with the policy version of the weights that produced it."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
@@ -59,6 +61,7 @@ class Generator(Actor):
             "max_model_len": self.engine.max_model_len,
             "engine": c.engine,
             "device_identity": self._device_identity(),
+            "pid": os.getpid(),
         }
 
     def _device_identity(self) -> str:

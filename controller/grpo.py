@@ -251,6 +251,7 @@ def main(
     with ctl, ckpts.resume_hint_on_failure():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
+        print(f"[meshrl] generator processes (pids): {[g['pid'] for g in ctl.generator_info]}", flush=True)
         # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
         # never repeats either; it reloads the trainer, the RNG, the data cursor and the before-RL result.
         if resumed := ckpts.restore(ctl):

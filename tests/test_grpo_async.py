@@ -87,3 +87,49 @@ def test_async_run_staleness_resume_and_timing(tmp_path):
     assert summary_b["eval_accuracy_after_rl"] == summary_a["eval_accuracy_after_rl"]
     wa, wb = load_hf_state_dict(a / "final_model"), load_hf_state_dict(tmp_path / "b" / "final_model")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_generator_killed_with_rounds_in_flight_resumes_to_the_straight_run(tmp_path):
+    """The generator process dies while a round is in flight: the run ends naming the last good checkpoint and the
+    command to resume; resuming finishes the run and it equals the straight run bitwise (no trained sample lost:
+    the checkpoint holds the rounds in flight at its step)."""
+    import os
+    import re
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = [
+        *FLAGS,
+        "--grpo.steps",
+        "10",
+        "--reward",
+        "char_match=0.5,exact_match=0.5",
+        "--run.output-dir",
+        str(tmp_path),
+    ]
+    straight = subprocess.run(
+        [sys.executable, "-m", "meshrl.controller.grpo", *flags, "--run.name", "a"], capture_output=True, text=True,
+        timeout=600, env=env,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *flags, "--run.name", "k"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    pids = None
+    for line in proc.stdout:
+        if m := re.search(r"generator processes \(pids\): \[([\d, ]+)\]", line):
+            pids = [int(p) for p in m.group(1).split(",")]
+            break
+    assert pids, "the run did not report its generator processes"
+    ckpts, deadline = tmp_path / "k" / "checkpoints", time.time() + 300
+    while not list(ckpts.glob("step_*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(pids[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and "an actor process died" in err, err[-2000:]
+    command = shlex.split(re.search(r"resume with: (.*)", err).group(1))
+    resumed = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert _records(tmp_path / "k") == _records(tmp_path / "a")
