@@ -20,6 +20,8 @@ class StaleWeightsError(RuntimeError):
 class Generator(Actor):
     def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
         torch.set_num_threads(1)
+        if getattr(gen_cfg, "nice", 0):
+            os.nice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
         self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
         self.engine = None
         self.policy_version = 0
