@@ -31,3 +31,16 @@ seq_sqrt = register_aggregation(
 def needs_ref(logprobs: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Pulls the policy towards the reference model: (logp - logp_ref)^2 / 2."""
     return 0.5 * (logprobs - batch.ref_logprobs).square(), {}
+
+
+@register_loss("slow_grpo")
+def slow_grpo(
+    logprobs: torch.Tensor, batch: LossBatch, *, clip_low: float = 0.2, clip_high: float = 0.2
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO's loss, slowly (a trainer much slower than the generator): same values, 0.3 s later."""
+    import time
+
+    from meshrl.losses import LOSSES
+
+    time.sleep(0.3)
+    return LOSSES["grpo"].fn(logprobs, batch, clip_low=clip_low, clip_high=clip_high)

@@ -73,9 +73,12 @@ def test_async_run_staleness_resume_and_timing(tmp_path):
     assert any(g["start"] < t["end"] and t["start"] < g["end"] for g in gens for t in trains)
     assert (a / "timeline.png").stat().st_size > 0 and summary_a["timeline"] == str(a / "timeline.jsonl")
 
-    # Slow scoring: the generators get further ahead in wall time, never in versions; the same run bitwise.
+    # Slow scoring (the controller falls behind), or a trainer far slower than the generator: the generators get
+    # further ahead in wall time, never in versions; the same run bitwise.
     _run(tmp_path, "slow", fn=slow_reward)
     assert _records(tmp_path / "slow") == _records(a)
+    _run(tmp_path, "slow_trainer", "--grpo.loss", "custom_algorithms:slow_grpo")
+    assert _records(tmp_path / "slow_trainer") == _records(a)
 
     # Stopped after step 2 (a round is in flight then), resumed: the straight run bitwise.
     stopped = _run(tmp_path, "b", "--run.stop-at-step", "2")
