@@ -17,11 +17,26 @@ class StaleWeightsError(RuntimeError):
     pass
 
 
+def _renice(increment: int) -> None:
+    """Lower this process's priority by `increment`. Linux keeps a niceness per thread (os.nice changes the calling
+    one only): renice every thread now; threads started later inherit it from the thread that starts them."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: os.nice is per process there
+        os.nice(increment)
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 class Generator(Actor):
     def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
         torch.set_num_threads(1)
         if getattr(gen_cfg, "nice", 0):
-            os.nice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
+            _renice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
         self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
         self.engine = None
         self.policy_version = 0

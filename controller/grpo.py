@@ -19,6 +19,7 @@ the run exactly where it was (same prompts, same samples, same updates).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import sys
@@ -238,11 +239,15 @@ def main(
         run.log({"phase": "eval", "when": when, "step": step, **record})
         return record
 
+    generator_cfg = cfg.generator
+    if generator_cfg.nice is None:  # the asynchronous loop on CPU: trainer ranks first, generation in the gaps
+        nice = 10 if cfg.grpo.max_staleness and cfg.trainer.device == "cpu" else 0
+        generator_cfg = dataclasses.replace(generator_cfg, nice=nice)
     ctl = Controller(
         model_dir=model_dir,
         model_cfg=cfg.model,
         trainer_cfg=cfg.trainer,
-        generator_cfg=cfg.generator,
+        generator_cfg=generator_cfg,
         rewards=setup.rewards,
         tokenizer=setup.renderer.tokenizer,
         seed=cfg.run.seed,
