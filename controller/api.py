@@ -106,6 +106,7 @@ class Controller:
         # ends with a message naming the last good checkpoint.
         self.failures: list[str] = []
         self._submit = threading.Lock()  # `complete` from several threads
+        self._episode_renderers: dict[str, Any] = {}  # run_episodes: render config -> EpisodeRenderer
         monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
         _export_import_path()
         remove_stale_files()  # left by an earlier run whose trainer or controller was SIGKILLed
@@ -366,7 +367,11 @@ class Controller:
         else:
             make = env
             group_rewards = getattr(env, "group_rewards", None)
-        renderer = Renderer.from_model_dir(self.model_dir, render)
+        key = repr(render)  # the model's tokenizer is loaded once per render config, not on every call
+        if key not in self._episode_renderers:
+            self._episode_renderers[key] = EpisodeRenderer(Renderer.from_model_dir(self.model_dir, render))
+        episode_renderer = self._episode_renderers[key]
+        renderer = episode_renderer.renderer
         limit = self.generator_cfg.max_model_len
         if sampling is None:
             sampling = SamplingParams(max_tokens=self.generator_cfg.max_tokens, stop_token_ids=renderer.stop_token_ids)
@@ -380,7 +385,7 @@ class Controller:
             rest = {k: v for k, v in r.items() if k not in ("prompt", "answer")}
             return Row(r["prompt"], r.get("answer"), rest)
 
-        runner = EpisodeRunner(make, EpisodeRenderer(renderer), self.complete, limits, group_rewards=group_rewards)
+        runner = EpisodeRunner(make, episode_renderer, self.complete, limits, group_rewards=group_rewards)
         return runner.run([as_row(r) for r in rows], group_size, sampling, seed)
 
     def timeline(self) -> list[dict[str, Any]]:

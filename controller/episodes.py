@@ -12,10 +12,9 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections import Counter
 from typing import Any
 
-from meshrl.algorithms import informative_groups, overlong_penalty
+from meshrl.algorithms import overlong_penalty
 from meshrl.controller.api import Controller
 from meshrl.controller.steps import SampledGroups
 from meshrl.data.sampler import EpochSampler
@@ -75,7 +74,7 @@ class EpisodeRollout:
         """`cfg.prompts_per_step` groups of `cfg.group_size` episodes (cfg: a GRPOConfig), with DAPO's dynamic
         sampling and overlong shaping as for single completions (`controller.steps.sample_groups`)."""
         g, want = cfg.group_size, cfg.prompts_per_step
-        out = SampledGroups([], [], [], [], [], [], Counter(), {}, 0, 0, 0, 0.0, 0.0)
+        out = SampledGroups.start()
         runner = self.runner(ctl)
         everything: list[Episode] = []
         while len(out.rows) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
@@ -90,24 +89,13 @@ class EpisodeRollout:
                                      cfg.overlong_penalty)
                 for r, e in zip(task_rewards, episodes, strict=True)
             ]  # fmt: skip
-            keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(picks)))
-            keep = keep[: want - len(out.rows)]
-            for i in keep:
-                out.rows.append(picks[i])
-                out.episodes += episodes[i * g : (i + 1) * g]
-                out.rewards += rewards[i * g : (i + 1) * g]
+            out.add_round(picks, episodes, rewards, out.episodes, cfg, want)
             out.task_rewards += task_rewards
             out.correct += [e.outcome.correct for e in episodes]
             for e in episodes:
                 if e.outcome.error is not None:
                     out.reward_failures[e.outcome.finish_reason] += 1
-            out.drawn += picks
-            out.prompts_drawn += len(picks)
-            out.rounds += 1
-            out.groups_dropped += len(picks) - len(keep)
-        while len(out.episodes) % dp:  # a short batch must still split evenly over the trainer ranks
-            out.rows.pop()
-            del out.episodes[-g:], out.rewards[-g:]
+        out.trim(dp, g)  # a short batch must still split evenly over the trainer ranks
         out.metrics = EpisodeStats.of(everything).values  # time_generate_s: the episodes' wall time, env included
         return out
 

@@ -309,6 +309,35 @@ class SampledGroups:
     def turn_rewards(self) -> list[list[float]] | None:
         return [list(e.outcome.turn_rewards) for e in self.episodes] if self.episodes else None
 
+    @classmethod
+    def start(cls) -> SampledGroups:
+        return cls([], [], [], [], [], [], Counter(), {}, 0, 0, 0, 0.0, 0.0)
+
+    def add_round(
+        self, picks: list[int], samples: list[Any], rewards: list[float], into: list[Any], cfg, want: int
+    ) -> None:
+        """One sampling round's groups (`samples`: completions or episodes, `group_size` per pick): those DAPO's
+        dynamic sampling keeps (every group without it), up to `want` groups in all, go `into` the batch; the
+        round is counted either way."""
+        g = cfg.group_size
+        keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(picks)))
+        keep = keep[: want - len(self.rows)]
+        for i in keep:
+            self.rows.append(picks[i])
+            into += samples[i * g : (i + 1) * g]
+            self.rewards += rewards[i * g : (i + 1) * g]
+        self.drawn += picks
+        self.prompts_drawn += len(picks)
+        self.rounds += 1
+        self.groups_dropped += len(picks) - len(keep)
+
+    def trim(self, dp: int, group_size: int) -> None:
+        """Drop whole groups from the end until the batch splits evenly over the `dp` trainer ranks."""
+        samples = self.episodes or self.completions
+        while len(samples) % dp:
+            self.rows.pop()
+            del samples[-group_size:], self.rewards[-group_size:]
+
 
 @dataclass
 class LaunchedRound:
@@ -374,7 +403,7 @@ def sample_groups(
     generation seed from `rng` (the engines derive every sample's noise from it), so restoring both reproduces the
     step exactly — e.g. after a resume."""
     g, want = cfg.group_size, cfg.prompts_per_step
-    out = SampledGroups([], [], [], [], [], [], Counter(), {}, 0, 0, 0, 0.0, 0.0)
+    out = SampledGroups.start()
     while len(out.rows) < want and out.rounds < (cfg.max_sampling_rounds if cfg.dynamic_sampling else 1):
         t0 = time.perf_counter()
         launched = first if first is not None and out.rounds == 0 else None
@@ -397,20 +426,9 @@ def sample_groups(
             r + overlong_penalty(len(c.token_ids), sampling.max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             for r, c in zip(task_rewards, completions, strict=True)
         ]
-        keep = informative_groups(rewards, g) if cfg.dynamic_sampling else list(range(len(picks)))
-        keep = keep[: want - len(out.rows)]
-        for i in keep:
-            out.rows.append(picks[i])
-            out.completions += completions[i * g : (i + 1) * g]
-            out.rewards += rewards[i * g : (i + 1) * g]
+        out.add_round(picks, completions, rewards, out.completions, cfg, want)
         out.task_rewards += task_rewards
-        out.drawn += picks
-        out.prompts_drawn += len(picks)
-        out.rounds += 1
-        out.groups_dropped += len(picks) - len(keep)
-    while len(out.completions) % dp:  # a short batch must still split evenly over the trainer ranks
-        out.rows.pop()
-        del out.completions[-g:], out.rewards[-g:]
+    out.trim(dp, g)  # a short batch must still split evenly over the trainer ranks
     return out
 
 

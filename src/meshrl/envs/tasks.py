@@ -12,7 +12,9 @@ from meshrl.tasks.base import Task
 CORPUS_EPISODES = 500
 
 
-def build_env_task(cfg: EnvConfig) -> Task:
+def build_env_task(cfg: EnvConfig, *, corpus: bool = True) -> Task:
+    """The environment's own rows as a task. `corpus`: also play demonstrations for a new model's tokenizer (only
+    when the run makes one: a user's environment may call a service on every step)."""
     cls, make = cfg.factory()
     # The environment's keyword arguments its `rows` also takes (e.g. guess_number's range `high`).
     accepted = inspect.signature(cls.rows).parameters
@@ -24,12 +26,12 @@ def build_env_task(cfg: EnvConfig) -> Task:
         from meshrl.errors import ConfigError
 
         raise ConfigError(f"--env {cfg.name}: {e}") from e
-    corpus: list[str] = []
-    for row in train[:CORPUS_EPISODES]:
+    texts: list[str] = []
+    for row in train[:CORPUS_EPISODES] if corpus else []:
         env = make()
         demo = env.demonstration(row)
         if not demo:
             continue
         played = play(env, row, demo, max_turns=cfg.max_turns)
-        corpus += [f"{m['role']}\n{m['content']}" for m in played["messages"]]
-    return Task(f"env:{cfg.name}", train, held_out, reward="", verifier="env", corpus=corpus)
+        texts += [f"{m['role']}\n{m['content']}" for m in played["messages"]]
+    return Task(f"env:{cfg.name}", train, held_out, reward="", verifier="env", corpus=texts)

@@ -33,7 +33,7 @@ def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: 
     if env is not None and env.name and cfg.task is None and train_rows is None and cfg.data.train is None:
         from meshrl.envs.tasks import build_env_task
 
-        return build_env_task(env)
+        return build_env_task(env, corpus=cfg.model.path is None)  # a new model's tokenizer learns from it
     name = "data" if train_rows is not None and cfg.task is None else task_name(cfg)
     if name == "reverse":
         from meshrl.tasks.reverse import build_reverse_task
