@@ -18,6 +18,12 @@ MFU = (6 N + 12 L H Q T) FLOPs per token (N all parameters, the tied head counte
 Q head dim, T sequence length: the attention term as torchtitan counts it) x tokens/s, over the H100's
 989 TFLOP/s dense bf16 (and over the 779 TFLOP/s matmul measured on this machine, GPU.md).
 
+Numerics: '+bf16' configs train pure bf16 weights and AdamW state with each update rounded to nearest (as the bare
+loops do; at lr ~1e-6 most updates round away), '+kahan' ones the same with compensated summation
+(meshrl.optim.FusedAdamW, bf16_rounding='kahan': safe, ~7 more memory passes over the weights per step), the rest
+float32 masters (the default). `--configs plain-titan,titan+chunked+compile+sdpa+keep,titan+chunked+compile+bf16+
+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+kahan` sets the three beside the bare loop.
+
 Baseline ("plain transformers loop", GPU.md): the model in pure bf16, SDPA, `model(ids).logits`, full-vocab
 float32 cross-entropy, fused AdamW. Ours: `Policy.forward_backward` (cross-entropy LossSpec over every target
 token, per-datum logprobs returned to the caller as the endpoint does) + `Policy.optim_step`, one rank of
@@ -48,35 +54,50 @@ from common import (
 )
 from torch.profiler import record_function
 
+# Pure bf16 weights and AdamW state: "+bf16" stores each update rounded to nearest (bf16_rounding='nearest', the
+# recipe the bare loops use, and what these configs measured before the option existed: at lr ~1e-6 most updates
+# round away), "+kahan" adds the compensation buffer that keeps them (meshrl.optim.FusedAdamW; the Policy default).
+# Without "+bf16" the weights are float32 masters (the trainer's default).
+BF16 = {"master_dtype": "bfloat16", "bf16_rounding": "nearest"}
+KAHAN = {"master_dtype": "bfloat16", "bf16_rounding": "kahan"}
 TITAN_CONFIGS = {
     "titan": {},
     "titan+chunked+compile": {"logprob_chunk_size": 4096, "compile": True},
     "titan+compile": {"compile": True},
     # The bare loop's recipe: bf16 weights and AdamW state, no gradient clipping (the `noclip` suffix).
-    "titan+compile+bf16": {"compile": True, "master_dtype": "bfloat16"},
-    "titan+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16"},
+    "titan+compile+bf16": {"compile": True, **BF16},
+    "titan+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, **BF16},
     # SDPA instead of flex for unpacked rows (cuDNN's fused attention first: DocumentMaskedSDPA).
-    "titan+chunked+compile+bf16+sdpa": {
-        "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa"
-    },
+    "titan+chunked+compile+bf16+sdpa": {"logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", **BF16},
     "titan+chunked8k+compile+bf16+sdpa+keep": {
-        "logprob_chunk_size": 8192, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
-        "logprob_keep_logits": True,
+        "logprob_chunk_size": 8192, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True, **BF16,
     },
     # ... and the chunked head's bf16 logits kept for backward instead of recomputed (+5 GB).
     "titan+chunked+compile+bf16+sdpa+keep": {
-        "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
-        "logprob_keep_logits": True,
+        "logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True, **BF16,
+    },
+    # The same levers three ways, to set beside the bare loop: float32 masters (the default numerics), plain bf16
+    # (above) and bf16 with compensated summation (safe at RL learning rates).
+    "titan+chunked+compile+sdpa+keep": {
+        "logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True,
+    },
+    "titan+chunked+compile+bf16+sdpa+keep+kahan": {
+        "logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True, **KAHAN,
     },
     # ... with the optimiser step replayed as CUDA graphs (trainer.optimizer_cuda_graph; off by default).
     "titan+chunked+compile+bf16+sdpa+keep+graphopt": {
-        "logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16", "attn_backend": "sdpa",
-        "logprob_keep_logits": True, "optimizer_cuda_graph": True,
+        "logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True,
+        "optimizer_cuda_graph": True, **BF16,
+    },
+    "titan+chunked+compile+bf16+sdpa+keep+kahan+graphopt": {
+        "logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True,
+        "optimizer_cuda_graph": True, **KAHAN,
     },
 }  # fmt: skip
 CONFIGS = {
     "policy": {},
-    "policy+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, "master_dtype": "bfloat16"},
+    "policy+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, **BF16},
+    "policy+chunked+compile+bf16+kahan": {"logprob_chunk_size": 4096, "compile": True, **KAHAN},
     "policy+chunked": {"logprob_chunk_size": 4096},
     "policy+compile": {"compile": True},
     "policy+chunked+compile": {"logprob_chunk_size": 4096, "compile": True},
