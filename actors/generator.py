@@ -8,8 +8,10 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.generation.base import Engine
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
+from meshrl.weight_sync.cuda_ipc import device_identity
 from meshrl.weight_sync.pubsub import DEFAULT_STORE
 
 
@@ -28,15 +30,15 @@ def _renice(increment: int) -> None:
 class Generator(Actor):
     def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
         torch.set_num_threads(1)
-        if getattr(gen_cfg, "nice", 0):
+        if gen_cfg.nice:
             _renice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
         self.model_dir, self.cfg, self.seed = model_dir, gen_cfg, seed
-        self.engine = None
+        self.engine: Engine | None = None
         self.policy_version = 0
         self.subscriber = None  # torchstore until attach_weight_buffer (meshrl.weight_sync.pubsub)
         self.busy_log = BusyLog(f"generator:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
 
-    def _engine(self):
+    def _engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("Generator.setup() was not called")
         return self.engine
@@ -44,42 +46,30 @@ class Generator(Actor):
     @endpoint
     async def setup(self) -> dict:
         c = self.cfg
+        # The engine's own config goes whole; the generator's shared settings beside it.
+        shared = dict(
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            seed=self.seed,
+        )
         if c.engine == "transformers":  # no vLLM needed: machines without it, any transformers causal LM
-            from meshrl.generation.hf_engine import HFEngine
+            from meshrl.generation.transformers_engine import HFEngine
 
-            self.engine = HFEngine(
-                self.model_dir,
-                dtype=c.dtype,
-                max_model_len=c.max_model_len,
-                max_num_seqs=c.max_num_seqs,
-                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                seed=self.seed,
-            )
+            self.engine = HFEngine(self.model_dir, c.transformers, **shared)
         else:
             from meshrl.generation.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(
-                self.model_dir,
-                dtype=c.dtype,
-                max_model_len=c.max_model_len,
-                kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                gpu_memory_utilization=c.gpu_memory_utilization,
-                seed=self.seed,
-            )
+            self.engine = VLLMEngine(self.model_dir, c.vllm, **shared)
         return {
             "policy_version": self.policy_version,
             "max_model_len": self.engine.max_model_len,
             "engine": c.engine,
-            "device_identity": self._device_identity(),
+            "device_identity": device_identity(self.engine.device),
+            "supports_sleep": self.engine.supports_sleep,
             "pid": os.getpid(),
         }
-
-    def _device_identity(self) -> str:
-        from meshrl.weight_sync.cuda_ipc import device_identity
-
-        # HFEngine knows its device; vLLM's (TP 1) worker uses this process's current CUDA device.
-        default = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return device_identity(getattr(self._engine(), "device", None) or default)
 
     @endpoint
     async def generate(
@@ -92,6 +82,29 @@ class Generator(Actor):
             )
         with self.busy_log.busy("generate"):
             return self._engine().generate(prompts, params, self.policy_version)
+
+    @endpoint
+    async def sleep(self, level: int = 1) -> dict:
+        """Free device memory while a colocated trainer trains: level 1 the KV cache (weights stay loadable), level 2
+        the weights too (`meshrl.generation.base` says what each engine keeps). `generate` / `prompt_logprobs` wake
+        the engine again by themselves; `pull_weights` works while asleep. A no-op where the engine cannot sleep
+        (vLLM on CPU). Returns `memory()` after the sleep."""
+        with self.busy_log.busy("sleep"):
+            self._engine().sleep(level)
+        return self._engine().memory()
+
+    @endpoint
+    async def wake_up(self) -> dict:
+        """Re-allocate what `sleep` freed (CUDA graphs are captured again on first use). Returns `memory()`."""
+        with self.busy_log.busy("wake_up"):
+            self._engine().wake_up()
+        return self._engine().memory()
+
+    @endpoint
+    async def memory(self) -> dict:
+        """This process's memory on the engine's device: 'allocated_bytes', 'reserved_bytes' (torch; 0 on CPU),
+        'rss_bytes', 'sleep_level' (0: awake), and per engine e.g. 'kv_cache_bytes', 'device_used_bytes'."""
+        return self._engine().memory()
 
     @endpoint
     async def timeline(self) -> list[dict]:

@@ -72,15 +72,35 @@ class PolicyTrainer(Actor):
 
     @endpoint
     async def forward_backward(
-        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None, split: list[int] | None = None
     ) -> ForwardBackwardResult:
+        """`split`: how many of `data` (rank-major) each rank computes; None: an even split."""
         with self.busy_log.busy("forward_backward"):
-            return self._policy().forward_backward(data, loss, step)
+            return self._policy().forward_backward(data, loss, step, split)
 
     @endpoint
-    async def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
+    async def forward(
+        self, data: list[Datum], temperature: float = 1.0, split: list[int] | None = None
+    ) -> list[list[float]]:
         with self.busy_log.busy("forward"):
-            return self._policy().forward(data, temperature)
+            return self._policy().forward(data, temperature, split)
+
+    @endpoint
+    async def token_budget(self) -> int:
+        """Tokens this rank can take in one forward_backward call now (Policy.token_budget)."""
+        return self._policy().token_budget()
+
+    @endpoint
+    async def memory(self) -> dict:
+        """This rank's device memory (GiB): allocated and reserved now, peak since the last call."""
+        return self._policy().memory()
+
+    @endpoint
+    async def offload_optimizer_state(self) -> int:
+        """AdamW state to host memory while a colocated generator runs; the next forward_backward / optim_step /
+        checkpoint brings it back. Returns the bytes moved."""
+        with self.busy_log.busy("offload"):
+            return self._policy().offload_optimizer_state()
 
     @endpoint
     async def timeline(self) -> list[dict]:

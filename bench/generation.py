@@ -112,21 +112,22 @@ def breakdown(engine, cfg, weight_bytes: int, bw: float, batch: int, dev: torch.
     out = []
     if not engine.use_graphs:
         return out
-    lengths = sorted({L for (B, L, loop) in engine._graphs if B == batch and loop})
-    engine.n_buf.fill_(0)  # no row advances: replays leave positions alone
+    runner = engine.runner  # the transformers engine's model runner (KV cache, graphs, decode buffers)
+    lengths = sorted({L for (B, L, loop) in runner._graphs if B == batch and loop})
+    runner.n_buf.fill_(0)  # no row advances: replays leave positions alone
     for L in lengths:
-        engine.pos_buf[:batch] = L - 1  # every row attends over the whole bucket
+        runner.pos_buf[:batch] = L - 1  # every row attends over the whole bucket
         row = {"batch": batch, "length_bucket": L, "bound_ms": 1e3 * step_bound_s(cfg, weight_bytes, batch, L, bw)}
         for name, loop in (("forward_ms", False), ("forward_sample_ms", True)):
-            with engine._mode("decode"):
-                g = engine._graphs.get((batch, L, loop)) or engine._capture(batch, L, loop)
+            with runner._mode("decode"):
+                g = runner._graphs.get((batch, L, loop)) or runner._capture(batch, L, loop)
             if g is None:
                 continue
             for i in range(25):
                 if i == 5:
                     sync(dev)
                     t0 = time.perf_counter()
-                engine.k_buf.zero_()
+                runner.k_buf.zero_()
                 g.replay()
             sync(dev)
             row[name] = 1e3 * (time.perf_counter() - t0) / 20
@@ -312,7 +313,7 @@ def main() -> None:
                 "fused_norm": engine.fused_norm, "norm_fallback": engine.norm_fallback,
                 "len_bucket_step": step, "seconds": dt, "first_call_s": cold_s, "new_tokens": made,
                 "tokens_per_s": made / dt, "bound_s": bound, "frac_of_bound": bound / dt, "peak_gib": peak_gib(dev),
-                "graph_failures": list(engine.graph_failures), "graphs": len(engine._graphs),
+                "graph_failures": list(engine.graph_failures), "graphs": len(engine.runner._graphs),
                 "sync_every": args.sync_every, "stats": {k: v - stats0.get(k, 0) for k, v in engine.stats.items()},
             }  # fmt: skip
             print(f"engine {variant} b={b}: {made / dt:,.0f} tok/s ({bound / dt:.0%} of bound), first {cold_s:.1f}s")

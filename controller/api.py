@@ -181,9 +181,10 @@ class Controller:
 
     # ---- trainer ------------------------------------------------------------------------------------------
     def forward_backward(
-        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None, split: list[int] | None = None
     ) -> Pending[ForwardBackwardResult]:
-        """`step`: this call ends an optimiser step and takes it (result in `.optim`; see Policy.forward_backward)."""
+        """`step`: this call ends an optimiser step and takes it (result in `.optim`; see Policy.forward_backward).
+        `split`: how many of `data` (rank-major) each trainer rank computes; None: an even split."""
 
         def done(values: list[Any]) -> ForwardBackwardResult:
             result: ForwardBackwardResult = _rank0(values)
@@ -191,10 +192,45 @@ class Controller:
                 self.policy_version = result.optim.policy_version
             return result
 
-        return Pending([self.trainer.forward_backward.call(data, loss, step)], done, self.timeout_s, "forward_backward")
+        return Pending(
+            [self.trainer.forward_backward.call(data, loss, step, split)], done, self.timeout_s, "forward_backward"
+        )
 
-    def forward(self, data: list[Datum], temperature: float = 1.0) -> Pending[list[list[float]]]:
-        return Pending([self.trainer.forward.call(data, temperature)], _rank0, self.timeout_s, "forward")
+    def forward(
+        self, data: list[Datum], temperature: float = 1.0, split: list[int] | None = None
+    ) -> Pending[list[list[float]]]:
+        return Pending([self.trainer.forward.call(data, temperature, split)], _rank0, self.timeout_s, "forward")
+
+    def token_budget(self) -> int:
+        """Tokens per trainer rank and `forward_backward` call: trainer.max_tokens_per_micro_batch, or when unset what
+        the tightest rank's device can hold now (Policy.token_budget)."""
+        if self.trainer_cfg.max_tokens_per_micro_batch is not None:
+            return self.trainer_cfg.max_tokens_per_micro_batch
+        budgets = Pending(
+            [self.trainer.token_budget.call()], lambda v: list(v[0].values()), self.timeout_s, "token_budget"
+        )
+        return min(budgets.result())
+
+    def micro_batch_plan(self, lengths: list[int], max_seqs: int | None = None) -> list[list[list[int]]]:
+        """Sequences (by length) -> `forward_backward` calls -> per-rank indices, under `token_budget()` and at most
+        `max_seqs` sequences per call (meshrl.batching.plan_micro_batches; `split=rank_sizes(call)`)."""
+        from meshrl.batching import plan_micro_batches
+
+        tc = self.trainer_cfg
+        return plan_micro_batches(
+            lengths, num_ranks=tc.num_procs, max_tokens=self.token_budget(), max_seqs=max_seqs,
+            pack=tc.pack_sequences, row_len=tc.pack_row_len,
+        )  # fmt: skip
+
+    def trainer_memory(self) -> list[dict[str, float]]:
+        """Each trainer rank's device memory (GiB): allocated / reserved now, peak since the last call."""
+        return Pending([self.trainer.memory.call()], lambda v: list(v[0].values()), self.timeout_s, "memory").result()
+
+    def offload_optimizer_state(self) -> Pending[int]:
+        """The trainer's AdamW state to host memory until its next forward_backward / optim_step (bytes moved)."""
+        return Pending(
+            [self.trainer.offload_optimizer_state.call()], lambda v: sum(v[0].values()), self.timeout_s, "offload"
+        )
 
     def optim_step(self, params: OptimParams) -> Pending[OptimResult]:
         def done(values: list[Any]) -> OptimResult:
@@ -312,6 +348,22 @@ class Controller:
         self._need("generators", self.generators)
         fut = self.generators.slice(procs=0).prompt_logprobs.call_one(sequences)
         return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
+
+    def sleep_generators(self, level: int = 1) -> None:
+        """Every generator releases its KV cache (level 2: its weights too) until `wake_generators` (controller/
+        memory.py: the colocated hand-off). Weight loads still reach a generator asleep at level 1."""
+        self._need("generators", self.generators)
+        Pending([self.generators.sleep.call(level)], lambda v: None, self.timeout_s, "Generator.sleep").result()
+
+    def wake_generators(self) -> None:
+        self._need("generators", self.generators)
+        Pending([self.generators.wake_up.call()], lambda v: None, self.timeout_s, "Generator.wake_up").result()
+
+    def generator_memory(self) -> list[dict[str, float]]:
+        """Each generator's device memory (GiB): allocated / reserved now, peak since the last call."""
+        self._need("generators", self.generators)
+        call = self.generators.memory.call()
+        return Pending([call], lambda v: list(v[0].values()), self.timeout_s, "Generator.memory").result()
 
     def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> Pending[list[ScoredSample]]:
         """Rewards of completion texts, `group_size` consecutive completions per row (`Row.verifier_view()` dicts),

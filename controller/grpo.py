@@ -35,6 +35,7 @@ from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
+from meshrl.controller.memory import MemoryHandoff
 from meshrl.controller.rollout_buffer import RolloutBuffer
 from meshrl.controller.steps import (
     RunCheckpoints,
@@ -74,9 +75,12 @@ def rl_step(
     step: int,
     episodes: EpisodeRollout | None = None,
     buffer: RolloutBuffer | None = None,
+    handoff: MemoryHandoff | None = None,
 ) -> dict:
     """One RL step, sampling through training and weight sync; returns its metrics record. With `episodes` (an
-    environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns."""
+    environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns.
+    `handoff` (a GPU trainer): memory per phase recorded, and handed between generator and trainer on a shared GPU
+    (controller/memory.py)."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
     if buffer is not None:  # asynchronous: this step's groups were sent up to max_staleness steps ago
@@ -86,6 +90,10 @@ def rl_step(
         batch = sample(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
     if batch.empty:  # dynamic sampling found no group with a learning signal
         return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
+    memory = {}
+    if handoff is not None:  # the generators' cache goes to the trainer until the step is trained
+        memory = handoff.record("generate")
+        handoff.to_trainer()
     rewards = batch.rewards
     data = batch.datums()
     if ctl.reference is not None:
@@ -117,7 +125,10 @@ def rl_step(
         grad_clip=cfg.optim.grad_clip,
     )
     # forward_backward over micro-batches (gradients accumulate), the last one taking the optimiser step.
-    results, opt = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
+    results, opt, trainer_logprobs = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
+    if handoff is not None:
+        memory |= handoff.record("train")
+        handoff.to_generator()  # the trainer's AdamW state to the host (if asked), the generators wake
     t3 = time.perf_counter()
 
     # Synchronous: the generators load the new weights now. Asynchronous: they are published, and the generators
@@ -125,7 +136,7 @@ def rl_step(
     sync = ctl.sync_weights(wait=buffer is None)
     t4 = time.perf_counter()
 
-    mismatch_mean, mismatch_max = logprob_mismatch(data, [lp for r in results for lp in r.logprobs])
+    mismatch_mean, mismatch_max = logprob_mismatch(data, trainer_logprobs)
     n_tokens = sum(len(d.tokens) for d in data)
     token_means = {k: sum(r.metrics[k] for r in results) / loss.num_loss_tokens for k in results[0].metrics}
     return {
@@ -162,6 +173,8 @@ def rl_step(
         "time_weight_sync_s": t4 - t3,  # asynchronous: publishing only (the generators load it later)
         "time_step_s": t4 - t0,
         "weight_sync_bytes": sync.bytes,
+        "micro_batches": len(results),
+        **memory,
     }
 
 
@@ -183,6 +196,20 @@ def warn_on_logprob_gap(record: dict) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def memory_handoff(ctl: Controller, cfg: GRPORunConfig) -> MemoryHandoff | None:
+    """A GPU trainer's memory hand-off (None on CPU, where nothing is recorded or moved). `generator.sleep_level`
+    None: the generators sleep during training (level 1: KV cache freed) when one shares the trainer's GPU in the
+    synchronous loop; the asynchronous loop generates while training, so they stay awake."""
+    if cfg.trainer.device != "cuda":
+        return None
+    level = cfg.generator.sleep_level
+    if level is None:
+        trainer_gpu = ctl.trainer_info["device_identity"]
+        shared = any(g["device_identity"] == trainer_gpu for g in ctl.generator_info)
+        level = 1 if shared and not cfg.grpo.max_staleness else 0
+    return MemoryHandoff(ctl, sleep_level=level, offload_optimizer=cfg.trainer.offload_optimizer)
 
 
 def main(
@@ -253,6 +280,7 @@ def main(
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
     )
+    handoff = memory_handoff(ctl, cfg)
     with ctl, ckpts.resume_hint_on_failure():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
@@ -308,7 +336,7 @@ def main(
 
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer)
+            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer, handoff)
             run.log(record)
             if record["phase"] == "rl":
                 warn_on_logprob_gap(record)

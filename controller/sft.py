@@ -152,7 +152,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                 weight_decay=cfg.optim.weight_decay,
                 grad_clip=cfg.optim.grad_clip,
             )
-            results, opt = train_step(ctl, data, loss, micro, params)
+            results, opt, _ = train_step(ctl, data, loss, micro, params)
             train_loss = sum(r.loss for r in results)
             run.log(
                 {

