@@ -8,6 +8,8 @@
 #                                            # GPU-only tests of meshrl.optim, trainer_speed.py --backend torchtitan
 #   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the HFEngine tests on
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
+#   bash bench/gpu_run.sh onegpu [args]      # the torch 2.11 stack: bench/one_gpu_memory.py (token budgets, packing,
+#                                            # memory hand-off vs fixed micro-batches)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
 #   bash bench/gpu_run.sh vllm               # (carries .chunks/vllm.23) HFEngine vs generate vs vLLM 0.33 and
 #                                            # vLLM's CUDA-IPC weight load, one run ('vllm-ipc': the load check
@@ -15,7 +17,7 @@
 #
 # Everything lands under $OUT (JSON from the scripts, logs).
 set -uo pipefail
-stage=${1:?stage: piece NAME | titan [configs] | torch211}
+stage=${1:?stage: piece NAME | titan [configs] | torch211 | onegpu [args] | vllm}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
@@ -51,6 +53,13 @@ torch211)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py 2>&1 | tail -15 | tee "$OUT/test_hf_engine_gpu.log"
   cd bench && timeout 330 python3 grpo_step_gpu.py --steps 3 --transports cuda_ipc 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/grpo_step_gpu.log"
+  ;;
+onegpu)
+  # issue 17: token budgets, packing and the memory hand-off beside fixed micro-batches (bench/one_gpu_memory.py)
+  [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site211:$PWD/src
+  cd bench && timeout "${ONEGPU_TIMEOUT:-560}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
+    | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory.log"
   ;;
 vllm|vllm-ipc)
   if [ ! -d /tmp/site/vllm ]; then

@@ -116,6 +116,7 @@ def rl_job(ctl, handoff, task, prompts: int, group: int, max_tokens: int, args) 
     grpo = GRPOConfig(prompts_per_step=prompts, group_size=group)
     rng = random.Random(0)
     steps = []
+    ctl.sync_weights()  # the fits' steps moved the trainer on
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         examples = rng.sample(task.train, prompts)
