@@ -96,6 +96,11 @@ class PolicyTrainer(Actor):
         return self._policy().memory()
 
     @endpoint
+    async def release_cached_memory(self) -> int:
+        """The allocator's cached blocks back to the device (for a colocated generator); bytes released."""
+        return self._policy().release_cached_memory()
+
+    @endpoint
     async def offload_optimizer_state(self) -> int:
         """AdamW state to host memory while a colocated generator runs; the next forward_backward / optim_step /
         checkpoint brings it back. Returns the bytes moved."""

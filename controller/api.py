@@ -226,6 +226,11 @@ class Controller:
         """Each trainer rank's device memory (GiB): allocated / reserved now, peak since the last call."""
         return Pending([self.trainer.memory.call()], lambda v: list(v[0].values()), self.timeout_s, "memory").result()
 
+    def release_trainer_memory(self) -> int:
+        """Every trainer rank's cached allocator blocks back to the device (bytes released, summed)."""
+        call = self.trainer.release_cached_memory.call()
+        return Pending([call], lambda v: sum(v[0].values()), self.timeout_s, "release_cached_memory").result()
+
     def offload_optimizer_state(self) -> Pending[int]:
         """The trainer's AdamW state to host memory until its next forward_backward / optim_step (bytes moved)."""
         return Pending(

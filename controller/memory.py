@@ -7,7 +7,7 @@ sits idle while the generator generates. `MemoryHandoff` moves that memory betwe
     batch = sample(...)              # generation: the generator holds its cache
     handoff.to_trainer()             # generator sleeps (level 1: KV cache freed; 2: weights too)
     train_step(...)                  # the trainer's token budget sees the freed memory
-    handoff.to_generator()           # trainer's AdamW state to the host, generator wakes (re-allocates its cache)
+    handoff.to_generator()           # trainer's cached blocks (and AdamW state) freed, generator wakes
     ctl.sync_weights()
 
 and `record(phase)` reads every process's memory (allocated / reserved now, peak since the last reading) into the
@@ -42,6 +42,8 @@ class MemoryHandoff:
         if self.offload_optimizer and self.ctl.trainer is not None:
             self.ctl.offload_optimizer_state().result()
         if self.generators_asleep:
+            if self.ctl.trainer is not None:  # the step's activations stay cached in the trainer's allocator
+                self.ctl.release_trainer_memory()
             self.ctl.wake_generators()
             self.generators_asleep = False
 

@@ -477,6 +477,16 @@ class Policy:
         torch.cuda.reset_peak_memory_stats(self.device)
         return out
 
+    def release_cached_memory(self) -> int:
+        """Give the blocks torch's allocator keeps cached (freed activations of the last step: tens of GiB after a
+        long-sequence step) back to the device, so a colocated generator can take them; the next step allocates
+        afresh. Returns the bytes released."""
+        if self.device.type != "cuda":
+            return 0
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved(self.device)
+
     def offload_optimizer_state(self) -> int:
         """Move the AdamW state (and any kept gradients) to host memory, freeing its device memory while a
         colocated generator runs; `reload_optimizer_state` brings it back into the same tensors (their storage is
