@@ -9,6 +9,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from meshrl.generation.base import Engine
+from meshrl.placement import pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
 from meshrl.weight_sync.cuda_ipc import device_identity
@@ -29,6 +30,7 @@ def _renice(increment: int) -> None:
 
 class Generator(Actor):
     def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
+        pin_process(gen_cfg.devices, current_rank().rank)  # before CUDA starts in this process
         torch.set_num_threads(1)
         if gen_cfg.nice:
             _renice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
@@ -69,6 +71,7 @@ class Generator(Actor):
             "device_identity": device_identity(self.engine.device),
             "supports_sleep": self.engine.supports_sleep,
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
     @endpoint

@@ -8,6 +8,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.placement import pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity
@@ -18,6 +19,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class PolicyTrainer(Actor):
     def __init__(self, model_dir: str, model_cfg, trainer_cfg, pad_id: int = 0) -> None:
+        pin_process(trainer_cfg.devices, current_rank().rank)  # before CUDA starts in this process
         torch.set_num_threads(trainer_cfg.num_threads)
         self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id = (
             model_dir,

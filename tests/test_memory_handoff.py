@@ -19,7 +19,8 @@ def colocated(base_model_dir, tokenizer):
         model_dir=base_model_dir,
         model_cfg=ModelConfig(),
         trainer_cfg=TrainerConfig(num_procs=1, micro_batch_size=4),
-        generator_cfg=GeneratorConfig(engine="transformers", max_model_len=48, max_tokens=8),
+        # devices=[1]: the generator process is pinned to "GPU 1" (an environment variable; this CPU has none)
+        generator_cfg=GeneratorConfig(engine="transformers", max_model_len=48, max_tokens=8, devices=[1]),
         tokenizer=tokenizer,
         call_timeout_s=120,
     )
@@ -33,6 +34,7 @@ def test_generator_sleeps_while_the_trainer_trains(colocated):
     from meshrl.losses import make_loss_spec
 
     ctl = colocated
+    assert ctl.generator_info[0]["cuda_visible_devices"] == "1"  # meshrl.placement pinned the replica
     handoff = MemoryHandoff(ctl, sleep_level=1)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9]]
@@ -56,3 +58,37 @@ def test_generator_sleeps_while_the_trainer_trains(colocated):
     handoff.to_generator()
     ctl.sync_weights()
     assert ctl.generate(prompts, greedy).result()[0][0].policy_version == ctl.policy_version
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_offloaded_optimizer_state_comes_back_exactly(tmp_path):
+    """GPU: the AdamW state leaves the device between steps (its memory is freed) and the run trains bitwise as if
+    it had stayed; the trainer's cached blocks are returned on request."""
+    import torch
+    import torch.distributed as dist
+
+    from meshrl.losses import make_loss_spec
+    from meshrl.models.tiny_hf import create_tiny_checkpoint
+    from meshrl.policy import Policy
+    from meshrl.tokenizer import default_corpus, train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(default_corpus(200), 300)
+    model_dir = str(create_tiny_checkpoint(tmp_path / "m", arch="qwen3", tokenizer=tokenizer))
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    data = random_data(6, seed=3)
+    spec = make_loss_spec("grpo", data)
+    weights = []
+    for offload in (False, True):
+        p = Policy(model_dir, device="cuda", backend="hf")
+        for _ in range(3):
+            p.forward_backward(data, spec, OptimParams(lr=1e-3))
+            if offload:
+                held = torch.cuda.memory_allocated()
+                moved = p.offload_optimizer_state()
+                assert moved > 0 and torch.cuda.memory_allocated() <= held - moved // 2
+                assert p.release_cached_memory() >= 0
+        weights.append({k: v.clone() for k, v in p.hf_state_dict().items()})
+        del p
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -15,6 +15,7 @@ from meshrl.envs import EnvConfig
 from meshrl.errors import ConfigError  # noqa: F401 - re-exported: meshrl.config.ConfigError is public
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.vllm_config import VLLMEngineConfig
+from meshrl.placement import check_devices
 from meshrl.render import RenderConfig
 from meshrl.rewards import ScoringConfig
 from meshrl.tasks.arithmetic import ArithmeticConfig
@@ -99,6 +100,9 @@ class TrainerConfig:
     balanced over the ranks; the update equals one big batch either way. None: what the device has free when the
     step starts, over an estimate of the memory per token (meshrl.batching), so long completions never need a
     hand-set micro_batch_size."""
+    devices: list[int] | None = None
+    """GPU index of each trainer rank (rank r on devices[r]; meshrl.placement). None: rank r on its LOCAL_RANK.
+    Needs device='cuda' and one entry per rank."""
     pack_sequences: bool = True
     """The sequences of a call share rows (attention masked between them, positions restarting per sequence)
     instead of each being padded to the longest: packed == unpacked to float rounding. Checked at start-up against
@@ -178,6 +182,18 @@ class TrainerConfig:
                 f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= 2 (or unset: "
                 "derived from the device's free memory)"
             )
+        if self.devices is not None:
+            try:
+                check_devices(self.devices, "trainer.devices")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.device != "cuda":
+                raise ConfigError(f"trainer.devices={self.devices} places ranks on GPUs, but trainer.device='cpu'")
+            if len(self.devices) != self.num_procs:
+                raise ConfigError(
+                    f"trainer.devices={self.devices} has {len(self.devices)} entries for trainer.num_procs="
+                    f"{self.num_procs} ranks: give one GPU per rank"
+                )
         if self.pack_row_len < 0:
             raise ConfigError(f"trainer.pack_row_len={self.pack_row_len} must be >= 0 (0: the call's longest sequence)")
         if self.master_dtype == "bfloat16" and self.bf16_rounding != "nearest" and self.num_procs > 1:
@@ -273,6 +289,10 @@ class GeneratorConfig:
     (the asynchronous loop), the trainer ranks then run first and generation takes the cycles they leave. None: 10
     for an asynchronous GRPO run with a CPU trainer (measured 0.72x vs 0.83x of the synchronous loop's RL time on 2
     cores, bench/NOTES.md), else 0."""
+    devices: list[int] | None = None
+    """GPU index of each generator replica: replica r computes on devices[r % len(devices)] (meshrl.placement).
+    None: every replica on the default GPU (0). E.g. --trainer.devices 0 --generator.devices 1 puts trainer and
+    generator on separate GPUs."""
     sleep_level: int | None = None
     """Colocated memory hand-off (controller/memory.py): while the trainer trains, each generator sleeps — 1: its KV
     cache is freed (re-allocated on wake-up), 2: its weights too; 0: never. None: 1 when a generator shares the
@@ -303,6 +323,10 @@ class GeneratorConfig:
             self.vllm = dataclasses.replace(self.vllm, gpu_memory_utilization=self.gpu_memory_utilization)
         if self.weight_sync not in WEIGHT_SYNC_TRANSPORTS:
             raise ConfigError(f"generator.weight_sync={self.weight_sync!r}; use one of {list(WEIGHT_SYNC_TRANSPORTS)}")
+        try:
+            check_devices(self.devices, "generator.devices")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.sleep_level not in (None, 0, 1, 2):
             raise ConfigError(f"generator.sleep_level={self.sleep_level} must be 0, 1 or 2 (or unset: automatic)")
         if self.nice is not None and not 0 <= self.nice <= 19:

@@ -1,0 +1,56 @@
+"""Which GPU each process of a run computes on (`--trainer.devices`, `--generator.devices`).
+
+Every process is pinned before it touches CUDA by restricting what it can see (`CUDA_VISIBLE_DEVICES`), so inside it
+the chosen GPU is `cuda:0` for torch, vLLM and NCCL alike, and nothing else in the code needs to know:
+
+    trainer.devices = [0, 1], generator.devices = [2, 3]  ->  trainer ranks on GPUs 0 and 1, replicas on 2 and 3
+    trainer.devices = [0],    generator.devices = [1]     ->  trainer on GPU 0, generator on GPU 1 (weight sync by
+                                                              torchstore: meshrl.weight_sync.transport sees two GPUs)
+
+Unset (None), a process keeps the machine's defaults: trainer rank r on `LOCAL_RANK` r, every generator on GPU 0.
+No Monarch in here; the actors call `pin_process` first thing in their constructors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+def device_of(devices: Sequence[int] | None, rank: int) -> int | None:
+    """The GPU index of process `rank` of a role: `devices[rank % len(devices)]` (replicas may share a GPU when
+    there are more of them than devices); None when unset."""
+    if not devices:
+        return None
+    return int(devices[rank % len(devices)])
+
+
+def pin_process(devices: Sequence[int] | None, rank: int) -> int | None:
+    """Make this process see only its GPU (before CUDA is initialised in it). Returns the GPU index, or None when
+    `devices` is unset (nothing changes)."""
+    device = device_of(devices, rank)
+    if device is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:  # already restricted (a job scheduler): index into what this process was given
+        allowed = [d.strip() for d in visible.split(",") if d.strip()]
+        if device >= len(allowed):
+            raise ValueError(
+                f"device {device} asked for, but CUDA_VISIBLE_DEVICES={visible!r} gives this job {len(allowed)}; "
+                "--trainer.devices / --generator.devices index into those"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = allowed[device]
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    os.environ["LOCAL_RANK"] = "0"  # the one visible GPU (meshrl.policy.policy_from_env sets it current)
+    return device
+
+
+def check_devices(devices: Sequence[int] | None, flag: str) -> None:
+    """Config-time check of a devices list (raises ValueError naming the flag)."""
+    if devices is None:
+        return
+    if not devices:
+        raise ValueError(f"{flag} is empty: list GPU indices (e.g. 0,1), or leave it unset")
+    if any(int(d) < 0 for d in devices):
+        raise ValueError(f"{flag}={list(devices)}: GPU indices are >= 0")

@@ -1,0 +1,56 @@
+"""Process placement on GPUs (meshrl.placement): which GPU each trainer rank and generator replica sees, checked
+without a GPU (the pinning is an environment variable set before CUDA starts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrl.config import ConfigError, GeneratorConfig, TrainerConfig
+from meshrl.placement import device_of, pin_process
+
+
+def test_each_role_gets_its_devices():
+    trainer, generator = [0, 1], [2, 3]
+    assert [device_of(trainer, r) for r in range(2)] == [0, 1]
+    assert [device_of(generator, r) for r in range(4)] == [2, 3, 2, 3]  # more replicas than GPUs: they share
+    assert device_of(None, 5) is None
+
+
+def test_pin_process_restricts_what_the_process_sees(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pin_process([0, 1], 1) == 1
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1" and os.environ["LOCAL_RANK"] == "0"
+    # Under a scheduler that already restricted the job, indices point into what it was given.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert pin_process([1], 0) == 1 and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='4,6' gives this job 2"):
+        pin_process([2], 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert pin_process(None, 0) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # unset: untouched
+
+
+def test_device_flags_are_checked():
+    with pytest.raises(ConfigError, match="one GPU per rank"):
+        TrainerConfig(num_procs=2, device="cuda", devices=[0])
+    with pytest.raises(ConfigError, match="trainer.device='cpu'"):
+        TrainerConfig(num_procs=1, devices=[0])
+    with pytest.raises(ConfigError, match="generator.devices"):
+        GeneratorConfig(devices=[-1])
+    assert TrainerConfig(num_procs=2, device="cuda", devices=[0, 1]).devices == [0, 1]
+
+
+def test_cli_places_trainer_and_generator_apart():
+    import tyro
+
+    from meshrl.config import GRPORunConfig
+
+    cfg = tyro.cli(
+        GRPORunConfig,
+        args=["--trainer.device", "cuda", "--trainer.num-procs", "1", "--trainer.devices", "0",
+              "--generator.devices", "1"],
+    )  # fmt: skip
+    assert device_of(cfg.trainer.devices, 0) != device_of(cfg.generator.devices, 0)
