@@ -17,7 +17,9 @@ def test_each_role_gets_its_devices():
 
 
 def test_pin_process_restricts_what_the_process_sees(monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # setenv first: monkeypatch records (and later restores) only variables it touched, and delenv of an unset one
+    # records nothing, so what pin_process sets would leak into later tests' spawned processes.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pin_process([0, 1], 1) == 1
     import os
