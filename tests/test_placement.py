@@ -43,6 +43,10 @@ def test_device_flags_are_checked():
     with pytest.raises(ConfigError, match="generator.devices"):
         GeneratorConfig(devices=[-1])
     assert TrainerConfig(num_procs=2, device="cuda", devices=[0, 1]).devices == [0, 1]
+    with pytest.raises(ConfigError, match="offload_optimizer.*trainer.device='cpu'"):
+        TrainerConfig(num_procs=1, offload_optimizer=True)
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        TrainerConfig(num_procs=1, max_tokens_per_micro_batch=1)
 
 
 def test_cli_places_trainer_and_generator_apart():

@@ -202,6 +202,11 @@ class TrainerConfig:
                 f"trainer.num_procs={self.num_procs} shards the weights (FSDP): use --trainer.num-procs 1, "
                 "--trainer.bf16-rounding nearest, or fp32 master weights (--trainer.master-dtype float32)"
             )
+        if self.offload_optimizer and self.device != "cuda":
+            raise ConfigError(
+                "trainer.offload_optimizer moves the AdamW state from the GPU to host memory, but trainer.device='cpu' "
+                "keeps it there already; drop the flag"
+            )
         if self.offload_optimizer and self.optimizer_cuda_graph:
             raise ConfigError(
                 "trainer.offload_optimizer releases the AdamW state's device memory between steps, which the "
