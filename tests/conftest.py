@@ -52,6 +52,21 @@ def ctl(base_model_dir, tokenizer):
     c.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo group for a `Policy` built in the test process (made before any vLLM engine, which then leaves
+    it alone on shutdown)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def random_data(n: int, *, seed: int = 0, vocab: int = 13, prompt_len: int = 3, with_old: bool = True):
     """n Datum of varied lengths with random tokens, advantages and generator logprobs."""
     from meshrl.types import Datum

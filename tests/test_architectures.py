@@ -19,7 +19,6 @@ import stat
 
 import pytest
 import torch
-import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,18 +57,6 @@ MESSAGES = [
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_bpe_tokenizer(default_corpus(500), VOCAB)
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank gloo group for the trainer, made before any vLLM engine (which then leaves it alone on shutdown)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=ARCHS)

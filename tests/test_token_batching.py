@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import random_data
 
 from meshrl.batching import layout_tokens, pack_rows, plan_micro_batches, rank_sizes
@@ -78,16 +77,6 @@ def test_pack_for_forward_maps_back_to_every_target():
 
 
 # ---- one Policy: packed RL batches equal unpacked ----------------------------------------------------------------
-@pytest.fixture
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _loss_and_grads(model_dir, backend, data, spec, pack):
     from meshrl.policy import Policy
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import random_data
 from torch.distributed.tensor import DTensor
 
@@ -87,16 +86,6 @@ def test_trainer_config_levers():
 
 
 # ---- through Policy and both backends ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _run(model_dir: str, backend: str, **levers):

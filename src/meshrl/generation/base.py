@@ -22,7 +22,7 @@ Sleep levels (as vLLM's):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -121,3 +121,32 @@ def check_sleep_level(level: int) -> int:
 
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_BYTES", "DTYPES", "Engine", "check_sleep_level", "process_memory"]
+
+
+def check_tokens(what: str, index: int, ids: Sequence[int], vocab_size: int) -> None:
+    """Refuse an empty sequence or token ids outside [0, vocab_size), naming which one (`what` `index`)."""
+    if len(ids) == 0:
+        raise ValueError(f"{what} {index} is empty; every {what} needs at least one token id")
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(
+            f"{what} {index} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}"
+            f"{' ...' if len(bad) > 8 else ''}"
+        )
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], max_tokens: int, max_model_len: int, vocab_size: int
+) -> list[list[int]]:
+    """The prompts of a `generate` call as lists of Python ints, each checked (`check_tokens`) and refused when it
+    leaves no room for `max_tokens` within `max_model_len`."""
+    out = [[int(t) for t in p] for p in prompts]
+    for i, p in enumerate(out):
+        check_tokens("prompt", i, p, vocab_size)
+        if len(p) + max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens and max_tokens={max_tokens}, which together "
+                f"exceed max_model_len={max_model_len}; shorten/filter the prompt, lower "
+                f"max_tokens, or build the engine with max_model_len >= {len(p) + max_tokens}"
+            )
+    return out

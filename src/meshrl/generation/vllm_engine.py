@@ -10,13 +10,20 @@ import contextlib
 import dataclasses
 import gc
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from meshrl.errors import ConfigError
-from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES, DTYPES, check_sleep_level, process_memory
+from meshrl.generation.base import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DTYPES,
+    check_prompts,
+    check_sleep_level,
+    check_tokens,
+    process_memory,
+)
 from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
 from meshrl.models.hf_config import stop_token_ids
@@ -188,16 +195,6 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ validation
 
-    def _check_tokens(self, what: str, index: int, ids: Sequence[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError(f"{what} {index} is empty; every {what} needs at least one token id")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(
-                f"{what} {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
-                f"{' ...' if len(bad) > 8 else ''}"
-            )
-
     # ------------------------------------------------------------------ generation
 
     def _vllm_params(self, params: SamplingParams, n: int, seed: int | None):
@@ -225,15 +222,7 @@ class VLLMEngine:
         """
         from vllm.inputs import TokensPrompt
 
-        prompts = [[int(t) for t in p] for p in prompts]
-        for i, p in enumerate(prompts):
-            self._check_tokens("prompt", i, p)
-            if len(p) + params.max_tokens > self._max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together "
-                    f"exceed max_model_len={self._max_model_len}; shorten/filter the prompt, lower "
-                    f"max_tokens, or build the engine with max_model_len >= {len(p) + params.max_tokens}"
-                )
+        prompts = check_prompts(prompts, params.max_tokens, self._max_model_len, self.vocab_size)
         if not prompts:
             return []
         self.wake_up()
@@ -293,7 +282,7 @@ class VLLMEngine:
 
         sequences = [[int(t) for t in s] for s in sequences]
         for i, s in enumerate(sequences):
-            self._check_tokens("sequence", i, s)
+            check_tokens("sequence", i, s, self.vocab_size)
             if len(s) > self._max_model_len:
                 raise ValueError(
                     f"sequence {i} has {len(s)} tokens > max_model_len={self._max_model_len}; truncate it or "

@@ -11,12 +11,11 @@ import dataclasses
 import os
 import random
 from collections.abc import Mapping
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
-from meshrl.generation.base import DTYPES, check_sleep_level, process_memory
+from meshrl.generation.base import DTYPES, check_prompts, check_sleep_level, check_tokens, process_memory
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.transformers_engine.model_runner import ModelRunner
 from meshrl.generation.transformers_engine.scheduler import Scheduler
@@ -111,16 +110,6 @@ class HFEngine:
 
     # ------------------------------------------------------------------ validation
 
-    def _check_tokens(self, what: str, index: int, ids: Seq[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError(f"{what} {index} is empty; every {what} needs at least one token id")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(
-                f"{what} {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}"
-                f"{' ...' if len(bad) > 8 else ''}"
-            )
-
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
@@ -130,15 +119,7 @@ class HFEngine:
         sample j uses seed `params.seed + i * n + j`: a call is reproducible and no two samples share noise.
         A sleeping engine wakes up first.
         """
-        prompts = [[int(t) for t in p] for p in prompts]
-        for i, p in enumerate(prompts):
-            self._check_tokens("prompt", i, p)
-            if len(p) + params.max_tokens > self._max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens and max_tokens={params.max_tokens}, which together "
-                    f"exceed max_model_len={self._max_model_len}; shorten/filter the prompt, lower "
-                    f"max_tokens, or build the engine with max_model_len >= {len(p) + params.max_tokens}"
-                )
+        prompts = check_prompts(prompts, params.max_tokens, self._max_model_len, self.vocab_size)
         if not prompts:
             return []
         self.wake_up()
@@ -184,7 +165,7 @@ class HFEngine:
         """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1)."""
         sequences = [[int(t) for t in s] for s in sequences]
         for i, s in enumerate(sequences):
-            self._check_tokens("sequence", i, s)
+            check_tokens("sequence", i, s, self.vocab_size)
             if len(s) > self._max_model_len:
                 raise ValueError(
                     f"sequence {i} has {len(s)} tokens > max_model_len={self._max_model_len}; truncate it or "
