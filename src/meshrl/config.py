@@ -590,14 +590,34 @@ class RunConfig:
     """Continue a run: 'latest' (with --run.name of that run), a checkpoint dir, or a run dir."""
     stop_at_step: int | None = None
     """Save a checkpoint and stop after this step, as a preempted job would (resume later with run.resume)."""
+    max_restarts: int = 3
+    """Generator or reward processes replaced during the run after they die or hang (their requests re-sent, no
+    sample lost); one more failure ends the run with the resume command. 0: the first failure ends the run."""
+    heartbeat_s: float = 20.0
+    """A generator or reward process that answers no heartbeat for this long is hung: it is replaced (as a dead
+    one is). Heartbeats are answered between requests and while generating, so long work is not a hang."""
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"run.max_restarts={self.max_restarts} must be >= 0 (0: a failure ends the run)")
+        if not self.heartbeat_s > 0:
+            raise ConfigError(f"run.heartbeat_s={self.heartbeat_s} must be > 0 (seconds)")
         if self.save_every < 0:
             raise ConfigError(f"run.save_every={self.save_every} must be >= 0")
         if self.keep_last_n < 1:
             raise ConfigError(f"run.keep_last_n={self.keep_last_n} must be >= 1")
         if self.resume == "latest" and self.name is None:
             raise ConfigError("run.resume=latest needs run.name (the run to continue); or pass a checkpoint path")
+
+
+@dataclass
+class LogConfig:
+    backends: str = "tensorboard"
+    """Where metrics go besides metrics.jsonl, comma-separated: tensorboard (event files in the run dir's tb/),
+    wandb (when installed). 'none': metrics.jsonl only."""
+    rollouts_every: int = 1
+    """Write the step's prompts, completions, rewards and policy versions to rollouts.jsonl every this many RL
+    steps; 0: never."""
 
 
 @dataclass
@@ -626,6 +646,7 @@ class GRPORunConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_precision(self.model, self.trainer)
@@ -778,6 +799,7 @@ class SFTRunConfig:
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_precision(self.model, self.trainer)
