@@ -29,8 +29,10 @@ def _renice(increment: int) -> None:
 
 
 class Generator(Actor):
-    def __init__(self, model_dir: str, gen_cfg, seed: int = 0) -> None:
-        pin_process(gen_cfg.devices, current_rank().rank)  # before CUDA starts in this process
+    def __init__(self, model_dir: str, gen_cfg, seed: int = 0, replica: int | None = None) -> None:
+        # `replica`: this generator's index in the run (each replica is a mesh of its own: its rank there is 0).
+        replica = current_rank().rank if replica is None else replica
+        pin_process(gen_cfg.devices, replica)  # before CUDA starts in this process
         torch.set_num_threads(1)
         if gen_cfg.nice:
             _renice(gen_cfg.nice)  # the trainer ranks run first where processes outnumber cores
@@ -38,7 +40,7 @@ class Generator(Actor):
         self.engine: Engine | None = None
         self.policy_version = 0
         self.subscriber = None  # torchstore until attach_weight_buffer (meshrl.weight_sync.pubsub)
-        self.busy_log = BusyLog(f"generator:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
+        self.busy_log = BusyLog(f"generator:{replica}")  # the run's timeline (meshrl.timeline)
 
     def _engine(self) -> Engine:
         if self.engine is None:

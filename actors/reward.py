@@ -12,9 +12,11 @@ from meshrl.timeline import BusyLog
 
 
 class RewardActor(Actor):
-    def __init__(self, rewards: RewardSet) -> None:
+    def __init__(self, rewards: RewardSet, index: int | None = None) -> None:
         self.rewards = rewards
-        self.busy_log = BusyLog(f"reward:{current_rank().rank}")  # the run's timeline (meshrl.timeline)
+        # `index`: this process's place among the run's reward processes (each is a mesh of its own).
+        index = current_rank().rank if index is None else index
+        self.busy_log = BusyLog(f"reward:{index}")  # the run's timeline (meshrl.timeline)
 
     @endpoint
     def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:

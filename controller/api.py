@@ -1,9 +1,10 @@
 """The small Controller API that `grpo` and `sft` are written in, and that users can drive from Python.
 
-It spawns the actor meshes (PolicyTrainer × trainer.num_procs, Generator × generator.num_replicas, one
-RewardActor) on this host and exposes their endpoints as calls that return `Pending` results: start several,
-then `.result()` them, so generation, scoring, training and weight transfer can overlap. Every wait has a
-timeout, so a dead actor fails the run instead of hanging it.
+It spawns the actor meshes (PolicyTrainer × trainer.num_procs, Generator × generator.num_replicas,
+RewardActor × scoring.num_procs) on this host and exposes their endpoints as calls that return `Pending` results:
+start several, then `.result()` them, so generation, scoring, training and weight transfer can overlap. Every wait
+has a timeout, so a dead actor fails the run instead of hanging it. Generator and reward processes are replaced
+when they die or freeze, their requests sent again (controller/replicas.py); a dead trainer ends the run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from monarch.actor import this_host
 
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
 from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F401 - ActorDiedError: re-exported
+from meshrl.controller.replicas import ReplicaPool, RestartBudget
 from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
 from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
@@ -85,6 +87,8 @@ class Controller:
         seed: int = 0,
         call_timeout_s: float = 600.0,
         reward_weights: dict[str, float] | None = None,
+        max_restarts: int = 3,
+        heartbeat_s: float = 20.0,
     ) -> None:
         from monarch.spmd import setup_torch_elastic_env
 
@@ -114,6 +118,9 @@ class Controller:
         # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator,
         # one without training (evaluation of a checkpoint) no trainer: its generators load `model_dir` as it is.
         self._procs, self.trainer, trainer_ready = [], None, None
+        # Generator and reward processes are replaced when they die or freeze, within one run-wide budget.
+        self.restarts = RestartBudget(max_restarts)
+        pool_kw = dict(budget=self.restarts, timeout_s=call_timeout_s, heartbeat_s=heartbeat_s)
         if trainer_cfg is not None:
             self._procs.append(host.spawn_procs(per_host={"procs": trainer_cfg.num_procs}))
             setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
@@ -132,26 +139,50 @@ class Controller:
         if generator_cfg is not None:
             if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
                 asyncio.run(init_weight_store(self.store_name))
-            self._procs.append(host.spawn_procs(per_host={"procs": generator_cfg.num_replicas}))
-            self.generators = self._procs[-1].spawn("generator", Generator, self.model_dir, generator_cfg, seed)
-            self.num_replicas = generator_cfg.num_replicas
-            gens_ready = Pending(
-                [self.generators.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "Generator.setup"
+
+            def spawn_generator(i: int) -> tuple[Any, Any]:
+                procs = host.spawn_procs(per_host={"procs": 1})
+                return procs, procs.spawn("generator", Generator, self.model_dir, generator_cfg, seed, i)
+
+            self.generators = ReplicaPool(
+                "generator", generator_cfg.num_replicas, spawn_generator, setup="setup", **pool_kw
             )
+            self.num_replicas = generator_cfg.num_replicas
         self.num_reward_procs = 0
         if rewards is not None:
             self.num_reward_procs = rewards.cfg.num_procs
-            self._procs.append(host.spawn_procs(per_host={"procs": self.num_reward_procs}))
-            self.reward = self._procs[-1].spawn("reward", RewardActor, rewards)
+
+            def spawn_reward(i: int) -> tuple[Any, Any]:
+                procs = host.spawn_procs(per_host={"procs": 1})
+                return procs, procs.spawn("reward", RewardActor, rewards, i)
+
+            self.reward = ReplicaPool("reward", self.num_reward_procs, spawn_reward, **pool_kw)
         self.trainer_info, self.trainer_pids = {"policy_version": 0}, []
         if trainer_ready is not None:
             infos = trainer_ready.result()
             self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
         if generator_cfg is not None:
-            self.generator_info = gens_ready.result()
+            self.generator_info = self.generators.start()
             if self.trainer is not None:
                 self._start_weight_sync(generator_cfg.weight_sync)
+            self.generators.bring_up = self._bring_up_generator
+        if self.reward is not None:
+            self.reward.start()
         self.policy_version = self.trainer_info["policy_version"]
+        self.generators_asleep = 0  # the sleep level the generators are at (a replacement is put there too)
+
+    def _bring_up_generator(self, i: int) -> None:
+        """A replacement generator joins the run: the weights the others serve, and their sleep level."""
+        self.generator_info[i] = self.generators.replicas[i].info
+        if self.weights is not None:
+            self.weights.bring_up(i)
+        if self.generators_asleep:
+            self.generators.actor(i).sleep.call_one(self.generators_asleep).get(timeout=self.timeout_s)
+
+    @property
+    def replicas_restarted(self) -> int:
+        """Generator and reward processes replaced so far (run.max_restarts bounds them)."""
+        return self.restarts.used
 
     def _start_weight_sync(self, requested: str) -> None:
         """The run's one weight-sync object, its transport resolved against where the processes actually run."""
@@ -316,22 +347,23 @@ class Controller:
         loads = self.weights.take_loads_in_flight() if self.weights is not None else []
         shards = [prompts[i :: self.num_replicas] for i in range(self.num_replicas)]
         futures = [
-            self.generators.slice(procs=i).generate.call_one(
-                shard, self._replica_params(params, i, len(prompts)), self.policy_version
+            self.generators.send(
+                i, "generate", shard, self._replica_params(params, i, len(prompts)), self.policy_version
             )
             for i, shard in enumerate(shards)
             if shard
         ]
+        load_calls = [call for _, calls in loads for call in calls]
 
         def interleave(parts: list[Any]) -> list[list[Completion]]:
-            WeightSync.check_loaded(loads, parts[: len(loads)])
-            parts = parts[len(loads) :]
+            WeightSync.check_loaded(loads, parts[: len(load_calls)])
+            parts = parts[len(load_calls) :]
             out: list[list[Completion]] = [None] * len(prompts)  # type: ignore[list-item]
             for i, part in enumerate(parts):
                 out[i :: self.num_replicas] = part
             return out
 
-        return Pending([fut for _, fut in loads] + futures, interleave, self.timeout_s, "generate")
+        return Pending(load_calls + futures, interleave, self.timeout_s, "generate")
 
     def complete(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as
@@ -351,24 +383,25 @@ class Controller:
     def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
         """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
         self._need("generators", self.generators)
-        fut = self.generators.slice(procs=0).prompt_logprobs.call_one(sequences)
+        fut = self.generators.send(0, "prompt_logprobs", sequences)
         return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
 
     def sleep_generators(self, level: int = 1) -> None:
         """Every generator releases its KV cache (level 2: its weights too) until `wake_generators` (controller/
         memory.py: the colocated hand-off). Weight loads still reach a generator asleep at level 1."""
         self._need("generators", self.generators)
-        Pending([self.generators.sleep.call(level)], lambda v: None, self.timeout_s, "Generator.sleep").result()
+        Pending(self.generators.send_all("sleep", level), lambda v: None, self.timeout_s, "Generator.sleep").result()
+        self.generators_asleep = level
 
     def wake_generators(self) -> None:
         self._need("generators", self.generators)
-        Pending([self.generators.wake_up.call()], lambda v: None, self.timeout_s, "Generator.wake_up").result()
+        Pending(self.generators.send_all("wake_up"), lambda v: None, self.timeout_s, "Generator.wake_up").result()
+        self.generators_asleep = 0
 
     def generator_memory(self) -> list[dict[str, float]]:
         """Each generator's device memory (GiB): allocated / reserved now, peak since the last call."""
         self._need("generators", self.generators)
-        call = self.generators.memory.call()
-        return Pending([call], lambda v: list(v[0].values()), self.timeout_s, "Generator.memory").result()
+        return Pending(self.generators.send_all("memory"), list, self.timeout_s, "Generator.memory").result()
 
     def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> Pending[list[ScoredSample]]:
         """Rewards of completion texts, `group_size` consecutive completions per row (`Row.verifier_view()` dicts),
@@ -379,9 +412,7 @@ class Controller:
         n = self.num_reward_procs
         bounds = [len(rows) * i // n for i in range(n + 1)]
         futures = [
-            self.reward.slice(procs=i).score.call_one(
-                completions[lo * group_size : hi * group_size], rows[lo:hi], group_size
-            )
+            self.reward.send(i, "score", completions[lo * group_size : hi * group_size], rows[lo:hi], group_size)
             for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
             if hi > lo
         ]
@@ -448,9 +479,13 @@ class Controller:
     def timeline(self) -> list[dict[str, Any]]:
         """Every actor's busy intervals since the last call (`meshrl.timeline`), by start time. Waits for the
         actors' queued work: call it between steps of a synchronous loop, or at the end of an asynchronous one."""
-        meshes = [m for m in (self.trainer, self.generators, self.reward) if m is not None]
-        futures = [m.timeline.call() for m in meshes]
-        parts = [part for fut in futures for part in fut.get(timeout=self.timeout_s).values()]
+        futures = [self.trainer.timeline.call()] if self.trainer is not None else []
+        for pool in (self.generators, self.reward):
+            futures += pool.send_all("timeline") if pool is not None else []
+        parts = []
+        for fut in futures:
+            value = fut.get(timeout=self.timeout_s)
+            parts += list(value.values()) if hasattr(value, "values") else [value]
         return sorted((i for part in parts for i in part), key=lambda i: i["start"])
 
     @staticmethod
@@ -479,6 +514,9 @@ class Controller:
                     stopping.append(procs.stop())
                 except Exception:  # noqa: BLE001 - best effort: the processes may already be gone
                     pass
+            if group is consumer_procs:
+                for pool in (self.generators, self.reward):
+                    stopping += pool.stop() if pool is not None else []
             for fut in stopping:
                 try:
                     fut.get(timeout=timeout)

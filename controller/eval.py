@@ -23,7 +23,7 @@ from meshrl.controller.steps import evaluate
 from meshrl.errors import ConfigError
 from meshrl.run_dir import RunDir
 from meshrl.tasks import Row, build_data_task, build_task
-from meshrl.tasks.setup import TaskSetup
+from meshrl.tasks.setup import TaskSetup, check_run_inputs
 
 
 def main(
@@ -34,6 +34,7 @@ def main(
 ) -> dict:
     if cfg.model.path is None:
         raise ConfigError("evaluation needs --model.path: the HF checkpoint dir to evaluate")
+    check_run_inputs(cfg)
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     if cfg.task in (None, "data") and (eval_rows is not None or cfg.data.eval is not None):
         # Held-out rows only: they stand in for the data task's training rows too (nothing trains here).
@@ -66,6 +67,8 @@ def main(
         tokenizer=setup.renderer.tokenizer,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
+        max_restarts=cfg.run.max_restarts,
+        heartbeat_s=cfg.run.heartbeat_s,
     ) as ctl:
         record = run_eval(
             ctl, setup, cfg.eval, max_tokens=max_tokens, temperature=cfg.generator.temperature,

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from meshrl.advantages import compute_advantages
 from meshrl.algorithms import kl_penalties, step_loss_spec
 from meshrl.checkpoint import rng_state, set_rng_state
-from meshrl.config import GRPORunConfig
+from meshrl.config import GRPORunConfig, LogConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.memory import MemoryHandoff
@@ -47,10 +47,13 @@ from meshrl.controller.steps import (
     train_step,
 )
 from meshrl.data.sampler import EpochSampler
+from meshrl.metric_sinks import open_sinks
+from meshrl.plots import plot_training
+from meshrl.rollout_recorder import RolloutRecorder
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, build_task
-from meshrl.tasks.setup import TaskSetup, check_model_dir, ensure_model
+from meshrl.tasks.setup import TaskSetup, check_run_inputs, ensure_model
 from meshrl.types import Datum, OptimParams, SamplingParams
 
 
@@ -65,6 +68,15 @@ def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> 
     return (float(diff.mean()), float(diff.max())) if diff.size else (0.0, 0.0)
 
 
+def sampled_entropy_estimate(data: list[Datum]) -> float:
+    """−mean of the sampled tokens' generator logprobs over loss tokens. The tokens were drawn from the distribution
+    those logprobs are of, so this is a Monte-Carlo estimate of its entropy per token (nats): the policy's own at
+    temperature 1 without top-p / top-k; no loss here computes the entropy over the whole vocabulary."""
+    lps = [np.asarray(d.old_logprobs)[np.asarray(d.loss_mask) > 0] for d in data if d.old_logprobs is not None]
+    lp = np.concatenate(lps) if lps else np.zeros(0)
+    return float(-lp.mean()) if lp.size else 0.0
+
+
 def rl_step(
     ctl: Controller,
     cfg: GRPORunConfig,
@@ -76,6 +88,7 @@ def rl_step(
     episodes: EpisodeRollout | None = None,
     buffer: RolloutBuffer | None = None,
     handoff: MemoryHandoff | None = None,
+    recorder: RolloutRecorder | None = None,
 ) -> dict:
     """One RL step, sampling through training and weight sync; returns its metrics record. With `episodes` (an
     environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns.
@@ -104,6 +117,8 @@ def rl_step(
     advantages = compute_advantages(cfg.grpo.advantage, rewards, g, turn_rewards=batch.turn_rewards())
     for d, a in zip(data, advantages, strict=True):  # an episode's advantage on every one of its model tokens
         d.advantage = a
+    if recorder is not None:  # every log.rollouts_every steps: prompts, completions, rewards to rollouts.jsonl
+        recorder.write(step, batch, rewards, advantages)
     t2 = time.perf_counter()
 
     # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
@@ -157,6 +172,7 @@ def rl_step(
         **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
         "logprob_diff_mean": mismatch_mean,
         "logprob_diff_max": mismatch_max,
+        "entropy_sampled_est": sampled_entropy_estimate(data),
         "completion_len_mean": statistics.fmean(batch.lengths()),  # model tokens per completion / episode
         **batch.metrics,  # episodes: turns, tool calls, environment time and failures, finish reasons
         "groups_trained": len(batch.rows),
@@ -174,28 +190,31 @@ def rl_step(
         "time_step_s": t4 - t0,
         "weight_sync_bytes": sync.bytes,
         "micro_batches": len(results),
+        "replicas_restarted": ctl.replicas_restarted,  # generator / reward processes replaced so far in this process
         **memory,
     }
 
 
-# Trainer and generator compute the same logprobs up to rounding (~1e-6 nats in float32, ~1e-2 in bfloat16). A
-# gap of this size means they run different models — dropout left on, another checkpoint, a broken weight sync —
-# and every importance ratio of the loss is wrong.
-LOGPROB_GAP_WARN_NATS = 0.1
-
-
-def warn_on_logprob_gap(record: dict) -> None:
+def warn_on_logprob_gap(record: dict, threshold: float = LogConfig.logprob_gap_warn) -> bool:
+    """Trainer and generator compute the same logprobs up to rounding (~1e-6 nats in float32, ~1e-2 in bfloat16). A
+    mean gap over `threshold` (--log.logprob-gap-warn) means they run different models — dropout left on, another
+    checkpoint, a broken weight sync — and every importance ratio of the loss is wrong: said on stderr at every such
+    step, and counted in the record (`logprob_gap_warning` 1, else 0)."""
     gap = record.get("logprob_diff_mean", 0.0)
     # Samples of an older policy version (the asynchronous loop) differ by the updates since, not by a mismatch.
-    if gap > LOGPROB_GAP_WARN_NATS and not record.get("staleness_max", 0):
+    warned = gap > threshold and not record.get("staleness_max", 0)
+    record["logprob_gap_warning"] = int(warned)
+    if warned:
+        rule = "!" * 100
         print(
-            f"[meshrl] WARNING: trainer and generator logprobs differ by {gap:.3f} nats per token on average (max "
-            f"{record['logprob_diff_max']:.3f}) at step {record['step']}: they are not computing the same model "
-            "(dropout on? different dtypes or weights?). The policy-gradient ratios are off; check before trusting "
-            "this run.",
+            f"{rule}\n[meshrl] WARNING: trainer and generator logprobs differ by {gap:.3f} nats per token on average "
+            f"(max {record['logprob_diff_max']:.3f}; warning above {threshold:g}, --log.logprob-gap-warn) at step "
+            f"{record['step']}: they are not computing the same model (dropout on? different dtypes or weights?). "
+            f"The policy-gradient ratios are off; check before trusting this run.\n{rule}",
             file=sys.stderr,
             flush=True,
         )
+    return warned
 
 
 def memory_handoff(ctl: Controller, cfg: GRPORunConfig) -> MemoryHandoff | None:
@@ -222,9 +241,9 @@ def main(
     """Run GRPO. `train_rows` / `eval_rows` (row dicts as in a JSONL file, or `Row`s) stand in for --data.train /
     --data.eval; `reward_fns` ({name: fn(completion, row) -> float}) add reward functions, weight 1.0 unless
     cfg.reward weighs them."""
-    if cfg.model.path is not None:  # a checkpoint the trainer cannot load is refused before anything else runs
-        check_model_dir(cfg.model.path, cfg.model.backend)
+    check_run_inputs(cfg)  # a bad checkpoint, process count or length is refused before anything else runs
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
+    run.add_sink(*open_sinks(cfg.log, run.path, cfg))  # every record also to TensorBoard (tb/), wandb, ...
     task = build_task(cfg, train_rows=train_rows, eval_rows=eval_rows)
     model_dir = ensure_model(cfg, task, run.path)
     eval_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
@@ -279,12 +298,16 @@ def main(
         tokenizer=setup.renderer.tokenizer,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
+        max_restarts=cfg.run.max_restarts,
+        heartbeat_s=cfg.run.heartbeat_s,
     )
     handoff = memory_handoff(ctl, cfg)
-    with ctl, ckpts.resume_hint_on_failure():
+    with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
         print(f"[meshrl] generator processes (pids): {[g['pid'] for g in ctl.generator_info]}", flush=True)
+        if ctl.reward is not None:
+            print(f"[meshrl] reward processes (pids): {ctl.reward.pids}", flush=True)
         # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
         # never repeats either; it reloads the trainer, the RNG, the data cursor and the before-RL result.
         if resumed := ckpts.restore(ctl):
@@ -334,13 +357,14 @@ def main(
                 **({"rollouts": buffer.state()} if buffer is not None else {}),  # rounds in flight, waited for
             }
 
+        recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, setup, start_step=start)  # rollouts.jsonl
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer, handoff)
-            run.log(record)
+            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer, handoff, recorder)
             if record["phase"] == "rl":
-                warn_on_logprob_gap(record)
+                warn_on_logprob_gap(record, cfg.log.logprob_gap_warn)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{record['logprob_diff_max']:.1e}")
+            run.log(record)
             done = step + 1
             if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.grpo.steps:
                 bar.write(f"[meshrl] held-out at step {done}: {describe_eval(run_eval('during_rl', done))}")
@@ -373,6 +397,7 @@ def main(
         "resumable_checkpoint": last_ckpt,
         "metrics": str(run.metrics_path),
         "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")),
+        "training_plot": str(plot_training(rl, run.path / "training.png", logprob_gap_warn=cfg.log.logprob_gap_warn)),
         "timeline": timeline,
     }
     run.write_json("summary.json", summary)
@@ -381,6 +406,7 @@ def main(
     print(f"[meshrl] held-out (correct = {setup.verifier} >= 1), after RL:  {describe_eval(after)}")
     print(
         f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
+        f"[meshrl] dashboard:  {summary['training_plot']}\n"
         f"[meshrl] checkpoint: {final_dir} (HF format); {last_ckpt} (resumable)\n"
         f"[meshrl] summary:    {run.path / 'summary.json'}"
     )

@@ -22,12 +22,13 @@ from meshrl.config import EvalConfig, SFTRunConfig
 from meshrl.controller.api import Controller, padding_id
 from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
+from meshrl.metric_sinks import open_sinks
 from meshrl.models.hf_config import max_positions
 from meshrl.models.qwen3 import read_hf_config
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, Task, build_task
-from meshrl.tasks.setup import TaskSetup, check_model_dir, ensure_model
+from meshrl.tasks.setup import TaskSetup, check_run_inputs, ensure_model
 from meshrl.types import Datum, LossSpec, OptimParams
 
 
@@ -69,9 +70,9 @@ def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
 
 
 def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:
-    if cfg.model.path is not None:
-        check_model_dir(cfg.model.path, cfg.model.backend)
+    check_run_inputs(cfg, generator=cfg.sft.eval_generate and eval_rows is None and cfg.data.eval == "task")
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
+    run.add_sink(*open_sinks(cfg.log, run.path, cfg))  # every record also to TensorBoard (tb/), wandb, ...
     uses_task = train_rows is None and cfg.data.train == "task" or eval_rows is None and cfg.data.eval == "task"
     task = build_task(dataclasses.replace(cfg, task=cfg.task or "reverse")) if uses_task else None
     model_dir = ensure_model(cfg, task, run.path)
@@ -108,8 +109,10 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         tokenizer=tokenizer,
         seed=cfg.run.seed,
         call_timeout_s=cfg.run.call_timeout_s,
+        max_restarts=cfg.run.max_restarts,
+        heartbeat_s=cfg.run.heartbeat_s,
     )
-    with ctl, ckpts.resume_hint_on_failure():
+    with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
         if resumed := ckpts.restore(ctl):  # trainer model + optimiser; the data cursor below
             sampler, start = EpochSampler.from_state(len(train), resumed["sampler"]), resumed["step"]

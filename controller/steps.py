@@ -211,12 +211,18 @@ class RunCheckpoints:
         self.manager = CheckpointManager(run.path, cfg.run.keep_last_n)
         # Started as `python -m meshrl.controller.<program> FLAGS`: the resume command repeats FLAGS.
         self.flags = sys.argv[1:] if Path(sys.argv[0]).stem == program else None
+        # Found and verified (every byte against its manifest) now, before any process starts: a run without a
+        # valid checkpoint to resume fails here, and a damaged newest one is skipped for the newest valid one.
+        try:
+            self.resume_from = resolve_resume(cfg.run.resume, run.path) if cfg.run.resume else None
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from e
 
     def restore(self, ctl: Controller) -> dict[str, Any] | None:
         """Load the checkpoint named by `run.resume` into the trainer; its controller state (None: a fresh run)."""
-        if not self.cfg.run.resume:
+        if self.resume_from is None:
             return None
-        ckpt = resolve_resume(self.cfg.run.resume, self.run.path)
+        ckpt = self.resume_from
         state = read_controller_state(ckpt)
         ctl.load_checkpoint(str(ckpt / TRAINER_DIR))
         self.run.truncate_metrics(state["metrics_lines"])

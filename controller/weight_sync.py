@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrl.controller.futures import Pending, _rank0
+from meshrl.controller.replicas import ReplicaCall, ReplicaPool
 from meshrl.weight_sync.cuda_ipc import remove_shared_files
 from meshrl.weight_sync.pubsub import SHARED_BUFFER_TRANSPORTS
 
@@ -31,13 +32,13 @@ class WeightSync:
     """Trainer → generators, for one Controller. `store_name`: its own torchstore (two Controllers in one process
     never see each other's versions)."""
 
-    def __init__(self, trainer: Any, generators: Any, dtype: str, store_name: str, timeout_s: float) -> None:
+    def __init__(self, trainer: Any, generators: ReplicaPool, dtype: str, store_name: str, timeout_s: float) -> None:
         self.trainer, self.generators, self.dtype = trainer, generators, dtype
         self.store_name, self.timeout_s = store_name, timeout_s
         self.transport: str | None = None
         self.handle = None  # the shared buffer's handle, once attached (its files are removed at shutdown)
         self.last_synced: int | None = None
-        self.loads_in_flight: list[tuple[int, Any]] = []  # sync(wait=False) loads not yet confirmed
+        self.loads_in_flight: list[tuple[int, list[ReplicaCall]]] = []  # sync(wait=False) loads, unconfirmed
         self.stored_versions: list[int] = []  # torchstore versions not deleted yet
         self.versions_kept = 2  # torchstore versions kept while loads are queued (the async loop: K + 1)
 
@@ -68,7 +69,7 @@ class WeightSync:
         if self.transport in SHARED_BUFFER_TRANSPORTS and self.handle is None:
             self._attach_buffer()  # once: the buffer exists from the first push on
         t1 = time.perf_counter()
-        load = self.generators.pull_weights.call(version, self.store_name)
+        load = self.generators.send_all("pull_weights", version, self.store_name)
         self.last_synced = version
         if self.transport == "torchstore":
             self.stored_versions.append(version)
@@ -76,24 +77,38 @@ class WeightSync:
             self.loads_in_flight.append((version, load))
             self._free_store(keep=self.versions_kept)
             return WeightSyncTiming(version, t1 - t0, 0.0, pushed, self.transport)
-        versions = Pending([load], lambda v: list(v[0].values()), self.timeout_s, "pull_weights").result()
+        versions = Pending(load, list, self.timeout_s, "pull_weights").result()
         if set(versions) != {version}:
             raise RuntimeError(f"generators report versions {versions} after pulling {version}")
         self.loads_in_flight.clear()  # served in order: every earlier queued load is done
         self._free_store(keep=1)  # the generators have moved on
         return WeightSyncTiming(version, t1 - t0, time.perf_counter() - t1, pushed, self.transport)
 
-    def take_loads_in_flight(self) -> list[tuple[int, Any]]:
+    def bring_up(self, i: int) -> None:
+        """A replacement generator `i` (controller/replicas.py): the shared buffer's handle, and the weights the
+        others were last sent (a load queued before it died is sent to it again, and loads the same version)."""
+        actor = self.generators.actor(i)
+        if self.handle is not None:
+            actor.attach_weight_buffer.call_one(self.handle).get(timeout=self.timeout_s)
+        if self.last_synced is not None:
+            loaded = actor.pull_weights.call_one(self.last_synced, self.store_name).get(timeout=self.timeout_s)
+            if loaded != self.last_synced:
+                raise RuntimeError(f"the replacement generator loaded version {loaded}, not {self.last_synced}")
+
+    def take_loads_in_flight(self) -> list[tuple[int, list[ReplicaCall]]]:
         """The loads queued since the last confirmation: a generate call sent now runs after them on every
         generator, and waits on them with its own result (so a failed load fails it)."""
         loads, self.loads_in_flight = self.loads_in_flight, []
         return loads
 
     @staticmethod
-    def check_loaded(loads: list[tuple[int, Any]], values: list[Any]) -> None:
-        for (version, _), loaded in zip(loads, values, strict=True):
-            if set(loaded.values()) != {version}:
-                raise RuntimeError(f"generators report versions {list(loaded.values())} after pulling {version}")
+    def check_loaded(loads: list[tuple[int, list[ReplicaCall]]], values: list[Any]) -> None:
+        """`values`: the loads' results, in order (one per replica and load)."""
+        at = 0
+        for version, calls in loads:
+            loaded, at = values[at : at + len(calls)], at + len(calls)
+            if set(loaded) != {version}:
+                raise RuntimeError(f"generators report versions {loaded} after pulling {version}")
 
     def _free_store(self, keep: int) -> None:
         """Delete all but the newest `keep` versions from torchstore (a queued load may still need the newer ones)."""
@@ -109,7 +124,7 @@ class WeightSync:
         (handle,) = [h for h in handles if h is not None]  # rank 0's
         self.handle = handle
         Pending(
-            [self.generators.attach_weight_buffer.call(handle)], lambda v: v, self.timeout_s, "attach_weight_buffer"
+            self.generators.send_all("attach_weight_buffer", handle), list, self.timeout_s, "attach_weight_buffer"
         ).result()
 
     def after_shutdown(self) -> None:

@@ -86,6 +86,41 @@ def test_run_directory_has_config_metrics_plot_and_summary(run_dir):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_run_directory_has_tensorboard_rollouts_and_dashboard(run_dir, capsys):
+    """What a user watches: TensorBoard event files of every phase, rollouts.jsonl (every trained sample of every
+    step, with the policy version that sampled it) and training.png, all agreeing with metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshrl.controller.grpo import warn_on_logprob_gap
+    from meshrl.rollout_recorder import read_rollouts
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r["phase"] == "rl"]
+    tb = EventAccumulator(str(run_dir / "tb"))
+    tb.Reload()
+    got = [(e.step, e.value) for e in tb.Scalars("rl/reward_mean")]
+    assert got == [(r["step"], pytest.approx(r["reward_mean"], rel=1e-6)) for r in rl]
+    assert [e.step for e in tb.Scalars("warmup/loss")] == [0, 1, 2]
+    assert {"eval/accuracy", "rl/grad_norm", "rl/entropy_sampled_est", "rl/time_train_s"} <= set(tb.Tags()["scalars"])
+
+    lines = read_rollouts(run_dir)
+    for r in rl:  # 4 prompts x 8 samples, sampled by the weights before the step's update
+        step_lines = [x for x in lines if x["step"] == r["step"]]
+        assert len(step_lines) == 32
+        assert {x["policy_version"] for x in step_lines} == {r["policy_version"] - 1}
+        assert sum(x["reward"] for x in step_lines) / 32 == pytest.approx(r["reward_mean"])
+        assert sorted({x["prompt_index"] for x in step_lines}) == sorted(r["prompts"])
+    assert {"prompt", "answer", "completion", "reward_parts", "correct", "advantage", "finish_reason"} <= set(lines[0])
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["training_plot"].endswith("training.png")
+    assert (run_dir / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(r["entropy_sampled_est"] > 0 and r["logprob_gap_warning"] == 0 for r in rl)
+    # The warning fires on a real record once its gap passes the threshold (fp32 agrees to ~1e-7 nats here).
+    assert warn_on_logprob_gap(dict(rl[0]), threshold=rl[0]["logprob_diff_mean"] / 2)
+    assert "WARNING: trainer and generator logprobs differ" in capsys.readouterr().err
+
+
 def test_final_checkpoint_loads_in_transformers_and_vllm(run_dir):
     from transformers import AutoModelForCausalLM
 

@@ -108,15 +108,16 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(killed)
     assert returncode != 0
     assert "an actor process died" in err, err[-2000:]
     assert re.search(r"last good checkpoint: .*/b/checkpoints/step_\d{8}\n", err), err[-2000:]
-    command = re.search(r"resume with: (python -m meshrl\.controller\.grpo .*)", err)
-    assert command and command.group(1).endswith("--run.name b --run.resume latest"), err[-2000:]
-    assert "--grpo.steps 6" in command.group(1)  # the run's own flags are repeated: same config on resume
+    command = re.search(r"resume with: (\S+) (-m meshrl\.controller\.grpo .*)", err)
+    assert command and command.group(2).endswith("--run.name b --run.resume latest"), err[-2000:]
+    assert shlex.split(command.group(1)) == [sys.executable]  # the project's interpreter: runnable as printed
+    assert "--grpo.steps 6" in command.group(2)  # the run's own flags are repeated: same config on resume
 
 
 def test_resumed_run_equals_the_straight_run_bitwise(out, straight, killed):
     (a, summary_a), (_, err) = straight, killed
     command = shlex.split(re.search(r"resume with: (.*)", err).group(1))
-    proc = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=600, env=ENV)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)  # as printed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(r"resumed from .*step_\d{8} at step [24] ", proc.stdout), proc.stdout[-3000:]
     assert "supervised warm-up" not in proc.stdout  # done before the checkpoint: not repeated
@@ -162,6 +163,12 @@ def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     ckpts, deadline = out / "c" / "checkpoints", time.time() + 300
     while not list(ckpts.glob("step_*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
+    # A second run on the live run's directory is refused before it starts anything (a resume as much as a new one).
+    second = subprocess.run(
+        [*cmd, "--run.resume", "latest"], capture_output=True, text=True, timeout=120, env=ENV
+    )  # fmt: skip
+    assert second.returncode != 0 and f"is in use by a live run (pid {proc.pid} " in second.stderr, second.stderr
+    assert "processes (pids)" not in second.stdout
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=120)
@@ -174,3 +181,141 @@ def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     assert all(_gone(pid, 30) for pid in pids), "trainer processes outlived the controller"
     left = [f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("meshrl-wsync-")]
     assert not left, left
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_still_resumes_bitwise(out, straight):
+    """A copy of the finished run whose newest checkpoint (step 6) had one byte of a trainer shard changed in place
+    (same size: only the checksum tells): `--run.resume latest` says it skips it and why, resumes from step 4, and
+    the steps it re-runs equal the straight run's."""
+    import shutil
+
+    from meshrl.checkpoint import CheckpointManager
+
+    a, _ = straight
+    d = out / "d"
+    shutil.copytree(a, d, ignore=shutil.ignore_patterns(".lock"))
+    newest = CheckpointManager(d).complete()[-1]
+    assert newest.name == "step_00000006"
+    shard = max((newest / "trainer").rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+    argv = [*FLAGS, "--run.output-dir", str(out), "--run.name", "d", "--run.resume", "latest"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshrl.controller.grpo", *argv], capture_output=True, text=True, timeout=600, env=ENV
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"skipping checkpoint {newest}: trainer/{shard.relative_to(newest / 'trainer')} does not match" in (
+        proc.stdout
+    ), proc.stdout[-3000:]
+    assert "falling back to step_00000004" in proc.stdout
+    assert re.search(r"resumed from .*step_00000004 at step 4 ", proc.stdout), proc.stdout[-3000:]
+    assert _records(d) == _records(a)
+
+
+def test_a_run_name_in_use_is_refused_without_resume(out, straight):
+    """Running a finished run's name again without --run.resume would overwrite its model and mix its metrics:
+    refused before any process starts, saying how to continue it or where else to go."""
+    from meshrl.controller import grpo
+    from meshrl.errors import ConfigError
+
+    a, _ = straight
+    before = (a / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds a run \(2 checkpoint\(s\), the newest step_00000006\)"):
+        grpo.main(parse_run_config(GRPORunConfig, argv=[*FLAGS, "--run.output-dir", str(out), "--run.name", "a"]))
+    assert (a / "metrics.jsonl").read_text() == before
+    cli = subprocess.run(
+        [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "a"],
+        capture_output=True, text=True, timeout=120, env=ENV,
+    )  # fmt: skip
+    assert cli.returncode != 0 and "--run.resume latest" in cli.stderr and "another --run.name" in cli.stderr
+    assert "processes (pids)" not in cli.stdout
+
+
+class _Lines:
+    """A process's stdout and stderr lines as they come, with their arrival times (read by two threads)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import queue
+        import threading
+
+        self.queue, self.seen = queue.Queue(), []
+        for stream in (proc.stdout, proc.stderr):
+            threading.Thread(
+                target=lambda s=stream: [self.queue.put((time.time(), ln)) for ln in s], daemon=True
+            ).start()
+
+    def wait_for(self, pattern: str, timeout_s: float = 300) -> tuple[float, re.Match]:
+        for at, line in self.seen:  # already read
+            if m := re.search(pattern, line):
+                return at, m
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:
+                at, line = self.queue.get(timeout=1)
+            except Exception:  # noqa: BLE001 - queue.Empty: keep waiting
+                continue
+            self.seen.append((at, line))
+            if m := re.search(pattern, line):
+                return at, m
+        raise AssertionError(f"no line matching {pattern!r} in {timeout_s}s; last lines: {self.seen[-20:]}")
+
+
+def _wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(r.get("phase") == "rl" and r["step"] >= step for r in _records(run_dir)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the run did not reach RL step {step}")
+
+
+def test_generator_and_reward_processes_killed_or_frozen_are_replaced_and_the_run_trains_the_same(out, straight):
+    """The run of `straight`, on the command line, with three faults: the generator is SIGKILLed after RL step 0,
+    its replacement is SIGSTOPped (frozen: only the heartbeat can tell) after step 2, the reward process is
+    SIGKILLed after step 3. Each is replaced and its requests are sent again, so the run finishes and trains
+    exactly what the fault-free run trained: every record equal but the timings and the restart count."""
+    heartbeat_s = 5.0
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "f"]
+    cmd += ["--run.heartbeat-s", str(heartbeat_s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    lines, run_dir = _Lines(proc), out / "f"
+    try:
+        (generator,) = map(int, lines.wait_for(r"generator processes \(pids\): \[(\d+)\]")[1].groups())
+        (reward,) = map(int, lines.wait_for(r"reward processes \(pids\): \[(\d+)\]")[1].groups())
+
+        _wait_for_step(run_dir, 0, proc)
+        os.kill(generator, signal.SIGKILL)
+        lines.wait_for(rf"generator 0 \(pid {generator}\) died .*: replacing it \(1 of run.max_restarts=3\)")
+        replacement = int(lines.wait_for(r"generator 0 replaced by pid (\d+)")[1].group(1))
+
+        _wait_for_step(run_dir, 2, proc)
+        stopped_at = time.time()
+        os.kill(replacement, signal.SIGSTOP)
+        detected_at, _ = lines.wait_for(
+            rf"generator 0 \(pid {replacement}\) stopped answering: no heartbeat for 5s .*\(2 of run.max_restarts=3\)"
+        )
+        lines.wait_for(r"generator 0 replaced by pid (\d+)")
+
+        _wait_for_step(run_dir, 3, proc)
+        os.kill(reward, signal.SIGKILL)
+        lines.wait_for(rf"reward 0 \(pid {reward}\) died .*\(3 of run.max_restarts=3\)")
+        lines.wait_for(r"reward 0 replaced by pid (\d+)")
+        assert proc.wait(timeout=600) == 0, "".join(line for _, line in lines.seen[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Frozen while idle between steps or busy generating: detected on the next call, within the heartbeat window
+    # of that call's first poll; the time between steps (training, on 2 cores) comes on top.
+    print(f"frozen generator detected {detected_at - stopped_at:.1f}s after SIGSTOP (heartbeat {heartbeat_s}s)")
+    assert _gone(replacement, 30)  # the frozen process was killed, not left behind
+
+    def comparable(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "replicas_restarted"} for r in records]
+
+    faulted = _records(run_dir)
+    restarts = [r["replicas_restarted"] for r in faulted if r["phase"] == "rl"]
+    assert restarts == sorted(restarts) and restarts[0] == 0 and restarts[-1] == 3, restarts
+    assert comparable(faulted) == comparable(_records(straight[0]))  # no sample lost, none drawn twice

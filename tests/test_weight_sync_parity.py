@@ -46,7 +46,7 @@ def test_completions_carry_the_version_and_stale_requests_are_refused(ctl, token
     assert ctl.generate([tokenizer.encode("abc=")], params).result()[0][0].policy_version == ctl.policy_version
     # Going back to an older version is refused.
     with pytest.raises(ActorError, match="refusing to go back"):
-        ctl.generators.pull_weights.call(ctl.policy_version - 1).get(timeout=60)
+        ctl.generators.actor(0).pull_weights.call_one(ctl.policy_version - 1).get(timeout=60)
 
 
 def test_generator_logprobs_match_trainer_on_sampled_completions(ctl, tokenizer):

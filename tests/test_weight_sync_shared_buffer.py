@@ -119,7 +119,7 @@ def _step(ctl, seed: int) -> int:
 
 
 def _pull(ctl, version: int) -> int:
-    return ctl.generators.pull_weights.call_one(version).get(timeout=TIMEOUT)
+    return ctl.generators.actor(0).pull_weights.call_one(version).get(timeout=TIMEOUT)
 
 
 def test_generator_logprobs_match_trainer_after_each_shm_sync(shm_ctl):
@@ -127,7 +127,7 @@ def test_generator_logprobs_match_trainer_after_each_shm_sync(shm_ctl):
     assert ctl.weight_transport == "shm"
     first = ctl.sync_weights()
     assert (first.transport, first.version) == ("shm", ctl.policy_version) and first.bytes > 0
-    assert ctl.generators.info.call_one().get(timeout=TIMEOUT)["weight_sync"] == "shm"
+    assert ctl.generators.actor(0).info.call_one().get(timeout=TIMEOUT)["weight_sync"] == "shm"
     probe = random_data(4, seed=10)
     seqs = [d.tokens for d in probe]
     assert _max_diff(ctl.prompt_logprobs(seqs).result(), ctl.forward(probe).result()) < 1e-4
@@ -160,7 +160,7 @@ def test_versions_only_go_forward_and_a_version_not_whole_in_the_buffer_is_refus
     with pytest.raises(ActorError, match=f"version {v3 + 1} are not in the shared buffer .*not published yet"):
         _pull(ctl, v3 + 1)
     # A refused pull leaves the generator on its version, and generate() still refuses to serve it as v3.
-    assert ctl.generators.info.call_one().get(timeout=TIMEOUT)["policy_version"] == served
+    assert ctl.generators.actor(0).info.call_one().get(timeout=TIMEOUT)["policy_version"] == served
     with pytest.raises(ActorError, match="call pull_weights first"):
         ctl.generate([[4, 5, 12]], SamplingParams(max_tokens=2)).result()
     assert _pull(ctl, v2) == v2  # still whole in its slot

@@ -3,21 +3,28 @@
 A run checkpoint is a directory `checkpoints/step_00000012/` holding the trainer's state (torch DCP shards of
 model + optimiser, written by every trainer rank into `trainer/`) and the controller's own state
 (`controller.json`: step counters, policy version, LR-schedule position, data cursor, RNG states). It is
-assembled under a temporary name and renamed into place after a `COMPLETE` marker is written, so a crash
-while saving leaves the previous checkpoint as the latest one.
+assembled under a temporary name and renamed into place after a `MANIFEST.json` (every file's size and SHA-256)
+and then a `COMPLETE` marker are written, so a crash while saving leaves the previous checkpoint as the latest one.
+
+A checkpoint whose files no longer match its manifest (truncated, changed in place, missing) is not valid: resuming
+verifies the manifest and falls back to the newest valid checkpoint, saying which one it skipped and why; pruning
+never deletes the newest valid one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 CONTROLLER_STATE = "controller.json"
 TRAINER_DIR = "trainer"
 
@@ -31,6 +38,56 @@ def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(checkpoint: Path) -> dict[str, Any]:
+    """Every file under `checkpoint` with its size and SHA-256, written atomically as MANIFEST.json."""
+    files = {
+        str(p.relative_to(checkpoint)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(checkpoint.rglob("*"))
+        if p.is_file() and p.name not in (MANIFEST, COMPLETE)
+    }
+    manifest = {"version": 1, "files": files}
+    tmp = checkpoint / f".{MANIFEST}.tmp"
+    with tmp.open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, checkpoint / MANIFEST)
+    return manifest
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike, *, checksums: bool = True) -> str | None:
+    """Why `checkpoint` is not valid (None: it is): no COMPLETE marker, an unreadable manifest, a file missing,
+    of another size, or (with `checksums`) with other contents than the manifest records. Without `checksums` it
+    only compares sizes: quick enough for messages, while resuming checks every byte."""
+    p = Path(checkpoint)
+    if not (p / COMPLETE).is_file():
+        return f"no {COMPLETE} marker (the save did not finish)"
+    if not (p / MANIFEST).is_file():  # saved by meshrl before checkpoints carried checksums: nothing to check
+        return None
+    try:
+        files = json.loads((p / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in files.items():
+        f = p / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if checksums and _sha256(f) != want["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest (changed after it was saved)"
+    return None
+
+
 class CheckpointManager:
     def __init__(self, run_path: str | os.PathLike, keep_last_n: int = 2) -> None:
         if keep_last_n < 1:
@@ -39,15 +96,25 @@ class CheckpointManager:
         self.keep_last_n = keep_last_n
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Checkpoints whose save finished (COMPLETE marker), oldest first; not verified."""
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.glob("step_*") if p.is_dir() and (p / COMPLETE).is_file()]
         return sorted(found, key=step_of)
 
     def latest(self) -> Path | None:
-        done = self.complete()
-        return done[-1] if done else None
+        """The newest checkpoint whose files have their manifest's sizes (see `latest_valid` for every byte)."""
+        return self.latest_valid(checksums=False)[0]
+
+    def latest_valid(self, *, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest valid checkpoint, and the newer ones skipped with the reason each is not valid."""
+        skipped = []
+        for ckpt in reversed(self.complete()):
+            reason = verify_checkpoint(ckpt, checksums=checksums)
+            if reason is None:
+                return ckpt, skipped
+            skipped.append((ckpt, reason))
+        return None, skipped
 
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of `step` (the trainer writes into `<tmp>/trainer`)."""
@@ -60,6 +127,7 @@ class CheckpointManager:
 
     def commit(self, tmp: Path, step: int, controller_state: dict[str, Any]) -> Path:
         (tmp / CONTROLLER_STATE).write_text(json.dumps(controller_state, indent=1))
+        write_manifest(tmp)  # checksums of what is on disk now, before the marker that makes it count
         marker = tmp / COMPLETE
         with marker.open("w") as f:
             f.write(f"{step}\n")
@@ -73,8 +141,16 @@ class CheckpointManager:
         return final
 
     def prune(self) -> None:
-        for old in self.complete()[: -self.keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest `keep_last_n` checkpoints, and the newest valid one even when it is older than those
+        (the newer ones may have been damaged since: it is the one a resume would fall back to)."""
+        done = self.complete()
+        keep = set(done[-self.keep_last_n :])
+        if not any(verify_checkpoint(p, checksums=False) is None for p in keep):
+            valid, _ = self.latest_valid(checksums=False)
+            keep |= {valid} if valid is not None else set()
+        for old in done:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def read_controller_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
@@ -82,20 +158,25 @@ def read_controller_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def resolve_resume(resume: str, run_path: Path) -> Path:
-    """`resume` is 'latest' (this run's newest complete checkpoint), a checkpoint dir, or a run dir."""
-    if resume == "latest":
-        found = CheckpointManager(run_path).latest()
-        if found is None:
-            raise FileNotFoundError(f"--run.resume latest: no complete checkpoint under {run_path / 'checkpoints'}")
-        return found
-    p = Path(resume).resolve()
-    if (p / COMPLETE).is_file():
-        return p
-    found = CheckpointManager(p).latest()
+    """`resume` is 'latest' (this run's newest valid checkpoint), a checkpoint dir, or a run dir (its newest valid
+    checkpoint). Every file is checked against the checkpoint's manifest; a named checkpoint that fails is refused,
+    a run's newest that fails is skipped for the newest valid one (said on stdout, with the reason)."""
+    p = run_path if resume == "latest" else Path(resume).resolve()
+    if (p / COMPLETE).is_file() or (p / CONTROLLER_STATE).is_file():  # one checkpoint, named
+        if reason := verify_checkpoint(p):
+            raise FileNotFoundError(f"--run.resume {resume}: {p} is not a valid checkpoint: {reason}")
+        found, skipped = p, []
+    else:
+        found, skipped = CheckpointManager(p).latest_valid()
+    for ckpt, reason in skipped:
+        print(f"[meshrl] skipping checkpoint {ckpt}: {reason}", flush=True)
     if found is None:
-        raise FileNotFoundError(
-            f"--run.resume {resume}: neither a complete checkpoint (no {COMPLETE} marker) nor a run dir with one"
-        )
+        what = "no valid checkpoint" if skipped else "no complete checkpoint"
+        raise FileNotFoundError(f"--run.resume {resume}: {what} under {p / 'checkpoints'}")
+    if skipped:
+        print(f"[meshrl] falling back to {found.name}, the newest valid checkpoint", flush=True)
+    if not (found / MANIFEST).is_file():
+        print(f"[meshrl] note: {found} has no {MANIFEST} (an older meshrl saved it): resumed unverified", flush=True)
     return found
 
 
@@ -119,7 +200,8 @@ def resume_command(program: str, checkpoint: Path | None, flags: list[str] | Non
             continue
         kept.append(arg)
     return shlex.join(
-        ["python", "-m", f"meshrl.controller.{program}", *kept]
+        # This interpreter: the project's environment, not whatever `python` is first on the user's PATH.
+        [sys.executable, "-m", f"meshrl.controller.{program}", *kept]
         + ["--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name, "--run.resume", "latest"]
     )
 

@@ -336,16 +336,37 @@ class GeneratorConfig:
             raise ConfigError(f"generator.sleep_level={self.sleep_level} must be 0, 1 or 2 (or unset: automatic)")
         if self.nice is not None and not 0 <= self.nice <= 19:
             raise ConfigError(f"generator.nice={self.nice} must be in 0..19")
+        if self.max_tokens < 1:
+            raise ConfigError(
+                f"generator.max_tokens={self.max_tokens}: the longest completion must be at least 1 token; use "
+                f"--generator.max-tokens in [1, {self.max_model_len - 1}] (below generator.max_model_len="
+                f"{self.max_model_len})"
+            )
         if self.max_tokens >= self.max_model_len:
             raise ConfigError(
                 f"generator.max_tokens={self.max_tokens} leaves no room for a prompt within "
                 f"generator.max_model_len={self.max_model_len}; raise max_model_len or lower max_tokens"
             )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generator.top_p={self.top_p} must be in (0, 1] (1.0: nucleus sampling off)")
+        if self.top_k == 0 or self.top_k < -1:  # vLLM reads 0 as off, meshrl's transformers engine as no tokens
+            raise ConfigError(f"generator.top_k={self.top_k} must be -1 (off) or a count of tokens >= 1")
         if self.temperature <= 0:
             raise ConfigError(
                 f"generator.temperature={self.temperature}: RL sampling needs temperature > 0 "
                 "(greedy decoding is used for evaluation only)"
             )
+
+
+def check_eval_tokens(eval_cfg: EvalConfig, generator: GeneratorConfig) -> None:
+    """eval.max_tokens replaces generator.max_tokens in evaluation: it must leave room for a prompt too (else the
+    prompt budget check blames generator.max_tokens, a flag the user may never have set)."""
+    if eval_cfg.max_tokens is not None and eval_cfg.max_tokens >= generator.max_model_len:
+        raise ConfigError(
+            f"eval.max_tokens={eval_cfg.max_tokens} leaves no room for a prompt within generator.max_model_len="
+            f"{generator.max_model_len}; use --eval.max-tokens in [1, {generator.max_model_len - 1}] or raise "
+            "--generator.max-model-len"
+        )
 
 
 def check_precision(model: ModelConfig, trainer: TrainerConfig) -> None:
@@ -503,6 +524,21 @@ def check_algorithm(c: GRPOConfig) -> None:
         raise ConfigError(f"grpo.kl_coef={c.kl_coef} must be >= 0 (0: no reference model, no KL)")
     if c.reference_procs < 1:
         raise ConfigError(f"grpo.reference_procs={c.reference_procs} must be >= 1")
+    # Flags that only act through another one: a value other than the default, with the flag that enables it off,
+    # would be silently ignored (the user believes a KL term or a sampling budget is in the run when it is not).
+    defaults = GRPOConfig.__dataclass_fields__
+    kl_off = ("grpo.kl_coef is 0 (no KL term, no reference model)", "--grpo.kl-coef (e.g. 0.01)")
+    for name, enabled, (why_off, enable) in (
+        ("kl_estimator", c.kl_coef > 0, kl_off),
+        ("kl_mode", c.kl_coef > 0, kl_off),
+        ("reference_procs", c.kl_coef > 0, kl_off),
+        ("max_sampling_rounds", c.dynamic_sampling, ("grpo.dynamic_sampling is off", "--grpo.dynamic-sampling")),
+        ("overlong_penalty", c.overlong_buffer > 0, ("grpo.overlong_buffer is 0", "--grpo.overlong-buffer (e.g. 4)")),
+    ):
+        value = getattr(c, name)
+        if not enabled and value != defaults[name].default:
+            flag = "--grpo." + name.replace("_", "-")
+            raise ConfigError(f"{flag} {value} has no effect: {why_off}; set {enable} as well, or drop {flag}")
     if c.tis_cap is not None and not c.tis_cap >= 1:
         raise ConfigError(
             f"grpo.tis_cap={c.tis_cap} must be >= 1: it caps the trainer/generator importance weight from above "
@@ -610,14 +646,55 @@ class RunConfig:
             raise ConfigError("run.resume=latest needs run.name (the run to continue); or pass a checkpoint path")
 
 
+# The built-in metric backends (meshrl.metric_sinks); package.module:factory names any other.
+METRIC_BACKENDS = ("tensorboard", "wandb")
+
+
 @dataclass
 class LogConfig:
     backends: str = "tensorboard"
     """Where metrics go besides metrics.jsonl, comma-separated: tensorboard (event files in the run dir's tb/),
-    wandb (when installed). 'none': metrics.jsonl only."""
+    wandb (when installed; --log.wandb-project), or package.module:factory (factory(run_path, config) returning an
+    object with log(record) and close()). 'none': metrics.jsonl only."""
     rollouts_every: int = 1
     """Write the step's prompts, completions, rewards and policy versions to rollouts.jsonl every this many RL
     steps; 0: never."""
+    logprob_gap_warn: float = 0.1
+    """Warn (stderr, every RL step while it lasts) when trainer and generator logprobs differ by more than this many
+    nats per token on average: they are not computing the same model. Rounding alone gives ~1e-6 in float32 and
+    ~1e-2 in bfloat16."""
+    wandb_project: str = "meshrl"
+    """The Weights & Biases project (with --log.backends ...,wandb). WANDB_MODE=offline keeps the run local."""
+    wandb_entity: str | None = None
+    """The Weights & Biases entity (team or user); default: your wandb default."""
+
+    def __post_init__(self) -> None:
+        names = self.backend_names
+        unknown = [n for n in names if n not in METRIC_BACKENDS and ":" not in n]
+        if unknown or (not names and self.backends.strip().lower() != "none"):
+            what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no backend named"
+            raise ConfigError(
+                f"log.backends={self.backends!r}: {what}; use a comma-separated list of "
+                f"{', '.join(METRIC_BACKENDS)} or package.module:factory, or 'none'"
+            )
+        if "wandb" in names:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(
+                    "log.backends asks for wandb, which is not installed: pip install wandb (or drop wandb from "
+                    "--log.backends)"
+                )
+        if self.rollouts_every < 0:
+            raise ConfigError(f"log.rollouts_every={self.rollouts_every} must be >= 0 (0: no rollouts.jsonl)")
+        if not self.logprob_gap_warn > 0:
+            raise ConfigError(f"log.logprob_gap_warn={self.logprob_gap_warn} must be > 0 (nats per token)")
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The metric backends asked for, in order ([] for 'none')."""
+        names = [n.strip() for n in self.backends.split(",") if n.strip()]
+        return [] if [n.lower() for n in names] == ["none"] else [n if ":" in n else n.lower() for n in names]
 
 
 @dataclass
@@ -690,11 +767,12 @@ class GRPORunConfig:
                 dp=self.trainer.num_procs,
                 what=f"warmup.batch_size={self.warmup.batch_size}",
             )
-        if self.grpo.overlong_buffer >= self.generator.max_tokens:
+        if self.grpo.overlong_buffer and self.grpo.overlong_buffer >= self.generator.max_tokens:
             raise ConfigError(
                 f"grpo.overlong_buffer={self.grpo.overlong_buffer} must be < generator.max_tokens="
                 f"{self.generator.max_tokens} (the penalty starts at max_tokens - overlong_buffer)"
             )
+        check_eval_tokens(self.eval, self.generator)
         check_task(self)
         if self.task in (None, "reverse") and self.data.train is None and self.model.path is None and not self.env.name:
             # The built-in task on a new model (character tokenizer): prompt lengths are known before launch.
@@ -759,6 +837,21 @@ class SFTDataConfig:
     pack_len: int | None = None
     """Tokens per packed row; default: data.max_seq_len."""
 
+    def __post_init__(self) -> None:
+        for flag, value in (("--data.max-seq-len", self.max_seq_len), ("--data.pack-len", self.pack_len)):
+            if value is not None and value < 2:
+                raise ConfigError(f"{flag} {value} must be >= 2 tokens (a prompt token and a response token)")
+        if self.pack_len is not None and not self.pack:
+            raise ConfigError(
+                f"--data.pack-len {self.pack_len} has no effect without --data.pack (rows are not packed); add "
+                "--data.pack, or drop --data.pack-len"
+            )
+        if self.pack_len is not None and self.max_seq_len is not None and self.pack_len < self.max_seq_len:
+            raise ConfigError(
+                f"--data.pack-len {self.pack_len} is shorter than --data.max-seq-len {self.max_seq_len}: an example "
+                "of max-seq-len tokens would fit no packed row; raise --data.pack-len or lower --data.max-seq-len"
+            )
+
 
 @dataclass
 class SFTConfig:
@@ -776,6 +869,8 @@ class SFTConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"sft.max_steps={self.max_steps} must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"sft.batch_size={self.batch_size} must be >= 1 (sequences per optimiser step)")
         if self.max_epochs is not None and self.max_epochs <= 0:
             raise ConfigError(f"sft.max_epochs={self.max_epochs} must be > 0")
         if self.eval_every < 0:
@@ -842,6 +937,7 @@ class EvalRunConfig:
     def __post_init__(self) -> None:
         if self.data.train is not None:
             raise ConfigError("evaluation reads held-out rows only: use --data.eval, not --data.train")
+        check_eval_tokens(self.eval, self.generator)
         if self.reward is not None:
             from meshrl.rewards import parse_reward_spec
 

@@ -3,23 +3,131 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
+import socket
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from meshrl.errors import ConfigError
+
+LOCK = ".lock"
+# This process's run-directory locks. A second RunDir on the same directory in the same process (a run called
+# again from Python after the first one failed, its frames still held by the traceback) shares the lock: it guards
+# against other processes.
+_HELD_LOCKS: dict[Path, IO[str]] = {}
+
+
+def _lock(path: Path) -> IO[str]:
+    """An exclusive lock on `path`'s lock file, or ConfigError naming the process that holds it. flock: the kernel
+    drops it when the holder exits, even by kill -9, so a crashed run never leaves a stale lock."""
+    if path in _HELD_LOCKS:
+        return _HELD_LOCKS[path]
+    f = (path / LOCK).open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(
+            f"run directory {path} is in use by a live run ({holder}); two runs in one directory would mix their "
+            "metrics and checkpoints. Wait for it to end (or stop it), or give this run another --run.name"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: ")
+    f.write(" ".join(sys.argv) + "\n")
+    f.flush()
+    _HELD_LOCKS[path] = f
+    return f
+
+
+def holds_run(path: Path) -> str | None:
+    """What makes `path` a run that a new one must not overwrite (None: nothing): a checkpoint, a summary, logged
+    metrics; or files that are not a meshrl run's at all."""
+    from meshrl.checkpoint import CheckpointManager
+
+    found = CheckpointManager(path).complete()
+    if found:
+        return f"{len(found)} checkpoint(s), the newest {found[-1].name}"
+    if (path / "summary.json").is_file():
+        return "a finished run: summary.json"
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return f"{sum(1 for line in metrics.open() if line.strip())} metric records in metrics.jsonl"
+    if not (path / "config.json").is_file() and any(p.name != LOCK for p in path.iterdir()):
+        return "files that are not a meshrl run's"
+    return None
 
 
 class RunDir:
-    def __init__(self, output_dir: str, name: str | None, config: Any) -> None:
-        name = name or time.strftime("%Y%m%d-%H%M%S")
-        self.path = Path(output_dir).resolve() / name
+    """One run's directory, held for the life of this process: a lock file keeps a second live run out, and a
+    directory that already holds a run is refused unless this run resumes it (or every later `--run.resume
+    latest` would mix two runs' checkpoints and metrics). A directory whose launch failed before anything was
+    logged or saved holds no run: a new one takes it over."""
+
+    def __init__(self, output_dir: str, name: str | None, config: Any, *, resume: bool | None = None) -> None:
+        if resume is None:
+            resume = bool(getattr(getattr(config, "run", None), "resume", None))
+        root = Path(output_dir).resolve()
+        if name is None:  # a timestamp; a second run started in the same second gets a suffix
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            name = next(n for n in (stamp, *(f"{stamp}-{i}" for i in range(2, 1000))) if not (root / n).exists())
+        self.path = root / name
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock(self.path)
         self.metrics_path = self.path / "metrics.jsonl"
+        if not resume:
+            if held := holds_run(self.path):
+                raise ConfigError(
+                    f"run directory {self.path} already holds a run ({held}); a new run there would mix with it. "
+                    "Continue it with --run.resume latest, or give this run another --run.name (or --run.output-dir)"
+                )
+            # A launch that failed before its first record left these behind (empty): start them afresh.
+            for leftover in (self.metrics_path, self.path / "timeline.jsonl"):
+                leftover.unlink(missing_ok=True)
         (self.path / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+
+    def close(self) -> None:
+        """Release the directory's lock (also released when this process exits, however it ends)."""
+        _HELD_LOCKS.pop(self.path, None)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def log(self, record: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
+
+    @property
+    def sinks(self) -> list[Any]:
+        """The metric backends (meshrl.metric_sinks: TensorBoard, wandb) that get every record besides
+        metrics.jsonl."""
+        return self.__dict__.setdefault("_sinks", [])
+
+    def add_sink(self, *sinks: Any) -> None:
+        self.sinks.extend(sinks)
+
+    def close_sinks(self) -> None:
+        """Flush and close the metric backends (a later record opens them again)."""
+        for sink in self.sinks:
+            sink.close()
+
+    @contextmanager
+    def sinks_open(self) -> Iterator[RunDir]:
+        """The metric backends are closed when the block ends, however it ends."""
+        try:
+            yield self
+        finally:
+            self.close_sinks()
 
     def write_json(self, name: str, obj: Any) -> Path:
         p = self.path / name
@@ -31,8 +139,18 @@ class RunDir:
 
     def truncate_metrics(self, num_lines: int) -> None:
         """On resume: drop the records written after the checkpoint (they will be produced again)."""
-        kept = self.read_metrics()[:num_lines]
+        records = self.read_metrics()
+        kept, dropped = records[:num_lines], records[num_lines:]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # The backends saw the dropped records too: each takes back what it logged from the first dropped step on
+        # and is given again the kept records at or after it (they share its step axis: warm-up steps, an eval).
+        steps = [r["step"] for r in dropped if isinstance(r.get("step"), int)]
+        if steps:
+            first = min(steps)
+            replay = [r for r in kept if isinstance(r.get("step"), int) and r["step"] >= first]
+            for sink in self.sinks:
+                if hasattr(sink, "rewind"):
+                    sink.rewind(first, replay)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():

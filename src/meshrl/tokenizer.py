@@ -64,6 +64,31 @@ class CharTokenizer:
         self.to_hf().save_pretrained(str(path))
 
 
+def unknown_characters(tokenizer, text: str, ids: Sequence[int] | None = None) -> list[str]:
+    """The characters of `text` that a transformers `tokenizer` encodes as its unknown token — text a model would
+    train on as `<unk>`, silently — sorted; [] when it has no unknown token or none occurs. The unknown token's own
+    string written in the text is not unknown. `ids`: the text's ids, when already encoded (without special tokens)."""
+    unk_id, unk = getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "unk_token", None)
+    if unk_id is None:
+        return []
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if unk_id not in ids:
+        return []
+    if getattr(tokenizer, "is_fast", False):  # offsets say which span of the text each unknown id came from
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spans = [text[a:b] for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True) if i == unk_id]
+        spans = [span for span in spans if span and span != unk]
+    else:
+        spans = [text.replace(unk, "")] if unk else [text]
+    found: set[str] = set()
+    for span in spans:
+        # A span may be a whole word of which one character is unknown: keep the characters that are so alone.
+        alone = {c for c in set(span) if unk_id in tokenizer(c, add_special_tokens=False)["input_ids"]}
+        found |= alone or ({span} if getattr(tokenizer, "is_fast", False) else set())
+    return sorted(found)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # byte-level BPE with a ChatML chat template
 

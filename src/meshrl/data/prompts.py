@@ -118,7 +118,7 @@ def load_prompt_rows(source: Source, cfg: DataConfig, *, limit: int | None = Non
         except BadRowError as e:
             if cfg.on_bad_row == "error":
                 raise BadRowError(f"{name}, row {row_number}: {e} ({SKIP_HINT})") from None
-            skipped[str(e)] += 1
+            skipped[e.reason] += 1
             continue
         if limit is not None and len(rows) >= limit:
             break

@@ -10,14 +10,16 @@ Sources (`iter_rows` yields `(row number, row)`, row numbers 1-based):
     some_dir:train        one split of a `datasets.DatasetDict.save_to_disk` directory
     [{...}, {...}]        rows already in memory: any sequence / iterable of dicts (e.g. a `datasets.Dataset`)
 
-A line of a JSONL file that is not valid JSON is yielded as a `BadRowError` in place of the row, so the caller
-decides (reject the file naming the row, or skip and count it) — the reader never stops half-way on a bad row.
+A line of a JSONL file that is not valid JSON, or not UTF-8 text, is yielded as a `BadRowError` in place of the row,
+so the caller decides (reject the file naming the row, or skip and count it) — the reader never stops half-way on a
+bad row.
 Everything else that is wrong with a source (missing path, unknown suffix, a DatasetDict without a split, a
 .json list that does not parse) raises at once, naming the path and the forms above.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -35,7 +37,13 @@ Source = str | os.PathLike | Iterable[Mapping[str, Any]]
 
 
 class BadRowError(ValueError):
-    """What is wrong with one row. Readers raise it with the reason only; loaders add the file and row number."""
+    """What is wrong with one row. Readers raise it with the reason only; loaders add the file and row number.
+    `reason`: the same without anything particular to the row (a byte, a count), for counting skipped rows by
+    reason; by default the message itself."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def is_path(source: Any) -> bool:
@@ -77,8 +85,18 @@ def iter_rows(source: Source) -> Iterator[tuple[int, Any]]:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    # Bytes, decoded a line at a time: a byte that is not UTF-8 then spoils its own row only, and is reported with
+    # the row's line number (a text-mode file raises mid-iteration, naming neither).
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if i == 1 and raw.startswith(codecs.BOM_UTF8):  # a byte-order mark (Windows editors) is not the row's
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f"byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line"
+                yield i, BadRowError(f"not UTF-8 text: {where} (save the file as UTF-8)", reason="not UTF-8 text")
+                continue
             if not line.strip():
                 continue
             try:
@@ -88,7 +106,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _first_char(path: Path) -> str:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig", errors="replace") as f:
         while chunk := f.read(4096):
             if stripped := chunk.lstrip():
                 return stripped[0]
@@ -99,8 +117,13 @@ def _json_file(path: Path) -> Iterator[tuple[int, Any]]:
     if _first_char(path) != "[":
         return _json_lines(path)
     try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"rows source {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte offset {e.start}); a .json "
+            "list is read whole, so one bad byte spoils the file: save it as UTF-8 (or as JSON lines, where a bad "
+            "row can be skipped)"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(
             f"rows source {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); a .json file "

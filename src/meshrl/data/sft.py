@@ -20,6 +20,7 @@ from typing import Any
 
 from meshrl.data.rows import BadRowError, iter_rows, source_name
 from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
+from meshrl.tokenizer import unknown_characters
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,26 @@ def _text(row: dict, key: str) -> str:
     return value
 
 
+def _encode(tokenizer, *texts: str) -> list[list[int]]:
+    """Token ids of each text, or a BadRowError naming every character of them outside the tokenizer's vocabulary:
+    they would train as the unknown token, teaching the model to emit `<unk>` for them."""
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    unknown = sorted({c for text, i in zip(texts, ids, strict=True) for c in unknown_characters(tokenizer, text, i)})
+    if unknown:
+        shown = unknown[:10] + (["..."] if len(unknown) > 10 else [])
+        raise BadRowError(
+            f"characters {shown} are not in the tokenizer's vocabulary (they would train as "
+            f"{tokenizer.unk_token!r}); remove or replace them, or use a model whose tokenizer covers them",
+            reason="characters outside the tokenizer's vocabulary",
+        )
+    return ids
+
+
+def _check_response(text: Any) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise BadRowError("empty response")
+
+
 def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str, messages_field: str) -> SFTExample:
     """One row -> SFTExample, or BadRowError saying what is wrong with it. `tokenizer` is a transformers one."""
     if isinstance(row, BadRowError):
@@ -64,22 +85,17 @@ def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str,
             raise BadRowError("the last message must be the assistant's (it is the response to train on)")
         if getattr(tokenizer, "chat_template", None) is None:
             raise BadRowError("chat `messages` rows need a tokenizer with a chat template")
+        _check_response(messages[-1].get("content"))
 
-        def render(msgs: list, **kw: Any) -> list[int]:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        prompt_ids, full_ids = render(messages[:-1], add_generation_prompt=True), render(messages)
+        prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        prompt_ids, full_ids = _encode(tokenizer, prompt_text, tokenizer.apply_chat_template(messages, tokenize=False))
         if full_ids[: len(prompt_ids)] != prompt_ids:
             raise BadRowError("the chat template does not render the prompt as a prefix of the conversation")
         response_ids = full_ids[len(prompt_ids) :]
-        response_text = messages[-1].get("content")
     else:
         prompt, response_text = _text(row, prompt_field), _text(row, response_field)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
-    if not isinstance(response_text, str) or not response_text.strip():
-        raise BadRowError("empty response")
+        _check_response(response_text)
+        prompt_ids, response_ids = _encode(tokenizer, prompt, response_text)
     if not prompt_ids:
         raise BadRowError("empty prompt")
     eos = tokenizer.eos_token_id
@@ -108,13 +124,16 @@ def load_sft_dataset(
                 row, tokenizer, prompt_field=prompt_field, response_field=response_field, messages_field=messages_field
             )
             if len(ex) > max_seq_len:
-                raise BadRowError(f"{len(ex)} tokens after tokenisation, over the limit of {max_seq_len}")
+                raise BadRowError(
+                    f"{len(ex)} tokens after tokenisation, over the limit of {max_seq_len}",
+                    reason=f"over the limit of {max_seq_len} tokens",
+                )
         except BadRowError as e:
             if on_bad_row == "error":
                 raise BadRowError(
-                    f"{name}, row {row_number}: {e} (fix the row, or set data.on_bad_row=skip to skip such rows)"
+                    f"{name}, row {row_number}: {e} (fix the row, or set --data.on-bad-row skip to skip such rows)"
                 ) from None
-            skipped[str(e).split(" after")[0] if "tokens after" in str(e) else str(e)] += 1
+            skipped[e.reason] += 1
             continue
         examples.append(ex)
     if not examples:

@@ -44,11 +44,10 @@ def text_config(cfg: Mapping[str, Any] | Any) -> dict[str, Any]:
 def max_positions(cfg: Mapping[str, Any] | Any, default: int | None = None) -> int:
     """The model's context length (positions it has embeddings / was trained for), from a `config.json` dict or a
     transformers config object, whatever the architecture calls it. No such field: `default`, or a ValueError."""
+    found = context_length(cfg)
+    if found is not None:
+        return found[1]
     d = text_config(cfg)
-    for key in POSITION_KEYS:
-        value = d.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
     if default is not None:
         return int(default)
     raise ValueError(
@@ -69,7 +68,127 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
             f"{path} not found: model.path must be an HF-format checkpoint directory "
             "(config.json, *.safetensors, tokenizer files)"
         )
-    return json.loads(path.read_text())
+    return read_json(path, "the checkpoint's config")
+
+
+def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """A JSON object file of a checkpoint, or a ConfigError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} ({what}) is not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}; the file is "
+            "damaged or not a JSON file: restore it from the original checkpoint"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{path} ({what}) is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}; the file is damaged "
+            "(an interrupted copy or edit?): restore it from the original checkpoint"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path} ({what}) holds a JSON {type(data).__name__}, not an object of fields; restore it from the "
+            "original checkpoint"
+        )
+    return data
+
+
+def context_length(cfg: Mapping[str, Any] | Any) -> tuple[str, int] | None:
+    """(field name, value) of the model's context length as `max_positions` reads it; None when no field gives it."""
+    d = text_config(cfg)
+    for key in POSITION_KEYS:
+        value = d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
+def check_config_fields(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """config.json, with the fields every loader reads (`model_type`, `vocab_size`) present and well-typed;
+    else a ConfigError naming the file and the field. Reads the one file only."""
+    path = Path(model_dir) / "config.json"
+    cfg = read_config(model_dir)
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        got = "no 'model_type'" if mt is None else f"model_type={mt!r}"
+        raise ConfigError(
+            f"{path} has {got}: transformers cannot tell the architecture; it is not a transformers config "
+            "(or is damaged): restore it from the original checkpoint"
+        )
+    vocab = text_config(cfg).get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        got = "no 'vocab_size'" if vocab is None else f"vocab_size={vocab!r}"
+        raise ConfigError(
+            f"{path} has {got} (a positive integer: the rows of the embedding); restore it from the original checkpoint"
+        )
+    return cfg
+
+
+# A safetensors header is at most 100 MB (the format's own limit): a larger length means a damaged file.
+_MAX_SAFETENSORS_HEADER = 100 * 2**20
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """A safetensors file whole, judged from its header only (8-byte little-endian length, then JSON naming each
+    tensor's byte range): a file shorter than its header says is truncated. Reads no tensor data."""
+    path = Path(path)
+    size = path.stat().st_size
+    hint = "copy or download it again (an interrupted transfer leaves such files)"
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{path} is {size} bytes, too short for a safetensors file (8-byte length): {hint}")
+        n = int.from_bytes(head, "little")
+        if n > _MAX_SAFETENSORS_HEADER or 8 + n > size:
+            raise ConfigError(
+                f"{path}: its first 8 bytes give a {n}-byte header, but the file has {size} bytes: it is truncated "
+                f"or not a safetensors file; {hint}"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: the safetensors header is not JSON ({e}); the file is damaged: {hint}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object: {hint}")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, Mapping) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ConfigError(f"{path}: tensor {name!r} has no [begin, end] data_offsets in the header: {hint}")
+        end = max(end, offsets[1])
+    data = size - 8 - n
+    if end > data:
+        raise ConfigError(
+            f"{path} is truncated: its header places tensor data up to byte {end} after the header, but the file "
+            f"holds {data} bytes there ({size} bytes in all, {end - data} missing); {hint}"
+        )
+
+
+def check_weights(model_dir: str | os.PathLike) -> None:
+    """The checkpoint's weight files exist and (safetensors) are whole: every shard a `*.safetensors.index.json`
+    names, and every `*.safetensors` file by its header. Raises ConfigError naming the file."""
+    d = Path(model_dir)
+    for index in sorted(d.glob("*.safetensors.index.json")):
+        weight_map = read_json(index, "the index of the weight shards").get("weight_map")
+        if not isinstance(weight_map, Mapping):
+            raise ConfigError(f"{index} has no 'weight_map' object: restore it from the original checkpoint")
+        missing = sorted({str(f) for f in weight_map.values()} - {p.name for p in d.iterdir()})
+        if missing:
+            raise ConfigError(
+                f"{index} names weight shards that are not in {d}: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                "copy the whole checkpoint directory"
+            )
+    shards = sorted(d.glob("*.safetensors"))
+    if not shards and not any(d.glob("pytorch_model*.bin")):
+        raise ConfigError(
+            f"{d} has a config.json but no weights (*.safetensors or pytorch_model*.bin): give the whole HF "
+            "checkpoint directory"
+        )
+    for shard in shards:
+        check_safetensors(shard)
 
 
 def model_type(model_dir: str | os.PathLike) -> str:
@@ -176,9 +295,14 @@ __all__ = [
     "BACKEND_MODEL_TYPES",
     "POSITION_KEYS",
     "check_backend_supports",
+    "check_config_fields",
+    "check_safetensors",
+    "check_weights",
+    "context_length",
     "max_positions",
     "model_type",
     "read_config",
+    "read_json",
     "stop_token_ids",
     "text_config",
     "tokenizer_eos_token_id",
