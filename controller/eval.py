@@ -20,7 +20,7 @@ from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.grpo import describe_eval
 from meshrl.controller.steps import evaluate
-from meshrl.errors import ConfigError
+from meshrl.errors import ConfigError, DataError
 from meshrl.run_dir import RunDir
 from meshrl.tasks import Row, build_data_task, build_task
 from meshrl.tasks.setup import TaskSetup, check_run_inputs
@@ -77,17 +77,17 @@ def main(
     result = {"model": cfg.model.path, "task": task.name, "num_prompts": len(setup.eval), **record}
     path = run.write_json("eval.json", result)
     print(f"[meshrl] {describe_eval(record)}, mean reward {record['reward_mean']:.3f}\n[meshrl] written: {path}")
+    run.close()
     return result
 
 
 if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config, stop_on_sigterm
-    from meshrl.data.rows import BadRowError
 
     stop_on_sigterm()
     try:
         main(parse_run_config(EvalRunConfig, description=__doc__))
-    except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts
+    except (ConfigError, DataError) as e:  # found as the task, model and rewards load, before any process starts
         sys.exit(f"config error: {e}" if isinstance(e, ConfigError) else f"data error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

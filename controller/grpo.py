@@ -455,15 +455,14 @@ def describe_eval(record: dict) -> str:
 
 if __name__ == "__main__":
     from meshrl.controller.cli import parse_run_config, stop_on_sigterm
-    from meshrl.data.rows import BadRowError
-    from meshrl.errors import ConfigError
+    from meshrl.errors import ConfigError, DataError
 
     stop_on_sigterm()
     try:
         main(parse_run_config(GRPORunConfig, description=__doc__))
     except RunFailedError as e:
         sys.exit(f"[meshrl] {e}")
-    except (ConfigError, BadRowError) as e:  # found as the task, model and rewards load, before any process starts
+    except (ConfigError, DataError) as e:  # found as the task, model and rewards load, before any process starts
         sys.exit(f"config error: {e}" if isinstance(e, ConfigError) else f"data error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)

@@ -261,7 +261,8 @@ class RunCheckpoints:
 
     @contextmanager
     def resume_hint_on_failure(self) -> Iterator[None]:
-        """Any failure inside ends the run with RunFailedError naming the last good checkpoint."""
+        """Any failure inside ends the run with RunFailedError naming the last good checkpoint. On the way out,
+        however it goes, the run directory's lock is released (a resume may start now)."""
         try:
             yield
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through cli.stop_on_sigterm: stop, but say how to go on
@@ -281,6 +282,8 @@ class RunCheckpoints:
                 f"  last good checkpoint: {latest or 'none yet'}\n"
                 f"  resume with: {resume_command(self.program, latest, self.flags)}"
             ) from e
+        finally:
+            self.run.close()
 
 
 def _as_json(cfg: Any) -> dict[str, Any]:

@@ -163,12 +163,6 @@ def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     ckpts, deadline = out / "c" / "checkpoints", time.time() + 300
     while not list(ckpts.glob("step_*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    # A second run on the live run's directory is refused before it starts anything (a resume as much as a new one).
-    second = subprocess.run(
-        [*cmd, "--run.resume", "latest"], capture_output=True, text=True, timeout=120, env=ENV
-    )  # fmt: skip
-    assert second.returncode != 0 and f"is in use by a live run (pid {proc.pid} " in second.stderr, second.stderr
-    assert "processes (pids)" not in second.stdout
     proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=120)
@@ -276,8 +270,10 @@ def test_generator_and_reward_processes_killed_or_frozen_are_replaced_and_the_ru
     """The run of `straight`, on the command line, with three faults: the generator is SIGKILLed after RL step 0,
     its replacement is SIGSTOPped (frozen: only the heartbeat can tell) after step 2, the reward process is
     SIGKILLed after step 3. Each is replaced and its requests are sent again, so the run finishes and trains
-    exactly what the fault-free run trained: every record equal but the timings and the restart count."""
-    heartbeat_s = 5.0
+    exactly what the fault-free run trained: every record equal but the timings and the restart count. (The tiny
+    run's steps take a fraction of a second: the controller is paused while each fault is injected, so that the
+    fault lands before the run is over.) Meanwhile a second run on the same directory is refused: it is in use."""
+    heartbeat_s, second = 5.0, None
     cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "f"]
     cmd += ["--run.heartbeat-s", str(heartbeat_s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -285,28 +281,41 @@ def test_generator_and_reward_processes_killed_or_frozen_are_replaced_and_the_ru
     try:
         (generator,) = map(int, lines.wait_for(r"generator processes \(pids\): \[(\d+)\]")[1].groups())
         (reward,) = map(int, lines.wait_for(r"reward processes \(pids\): \[(\d+)\]")[1].groups())
+        second = subprocess.Popen(  # a resume as much as a new run: refused before it starts anything
+            [*cmd, "--run.resume", "latest"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+
+        def while_paused(pid: int, sig: int) -> float:
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, sig)
+                return time.time()
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
 
         _wait_for_step(run_dir, 0, proc)
-        os.kill(generator, signal.SIGKILL)
+        while_paused(generator, signal.SIGKILL)
         lines.wait_for(rf"generator 0 \(pid {generator}\) died .*: replacing it \(1 of run.max_restarts=3\)")
         replacement = int(lines.wait_for(r"generator 0 replaced by pid (\d+)")[1].group(1))
 
         _wait_for_step(run_dir, 2, proc)
-        stopped_at = time.time()
-        os.kill(replacement, signal.SIGSTOP)
+        stopped_at = while_paused(replacement, signal.SIGSTOP)
         detected_at, _ = lines.wait_for(
             rf"generator 0 \(pid {replacement}\) stopped answering: no heartbeat for 5s .*\(2 of run.max_restarts=3\)"
         )
         lines.wait_for(r"generator 0 replaced by pid (\d+)")
 
         _wait_for_step(run_dir, 3, proc)
-        os.kill(reward, signal.SIGKILL)
+        while_paused(reward, signal.SIGKILL)
         lines.wait_for(rf"reward 0 \(pid {reward}\) died .*\(3 of run.max_restarts=3\)")
         lines.wait_for(r"reward 0 replaced by pid (\d+)")
         assert proc.wait(timeout=600) == 0, "".join(line for _, line in lines.seen[-40:])
+        _, refused = second.communicate(timeout=120)
+        assert second.returncode != 0 and f"is in use by a live run (pid {proc.pid} " in refused, refused
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, second):
+            if p is not None and p.poll() is None:
+                p.kill()
     # Frozen while idle between steps or busy generating: detected on the next call, within the heartbeat window
     # of that call's first poll; the time between steps (training, on 2 cores) comes on top.
     print(f"frozen generator detected {detected_at - stopped_at:.1f}s after SIGSTOP (heartbeat {heartbeat_s}s)")

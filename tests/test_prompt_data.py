@@ -9,7 +9,7 @@ import pytest
 from meshrl.data.prompts import DataConfig, PromptRows, drop_long, load_prompt_rows
 from meshrl.data.rows import BadRowError, iter_rows
 from meshrl.data.sampler import EpochSampler
-from meshrl.errors import ConfigError
+from meshrl.errors import ConfigError, DataError
 from meshrl.tasks.base import Row
 
 CFG = DataConfig()
@@ -237,7 +237,7 @@ def test_limit_stops_after_n_usable_rows(tmp_path):
 
 
 def test_source_errors_name_the_path_and_the_supported_forms(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl does not exist; expected a \.jsonl file, .*parquet"):
+    with pytest.raises(DataError, match=r"nope\.jsonl does not exist; expected a \.jsonl file, .*parquet"):
         load_prompt_rows(str(tmp_path / "nope.jsonl"), CFG)
     (tmp_path / "d.csv").write_text("prompt,answer\nq,a\n")
     with pytest.raises(ValueError, match=r"d\.csv: unsupported file type '\.csv'; use a \.jsonl file"):

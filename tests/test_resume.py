@@ -140,8 +140,9 @@ def test_resume_command_repeats_the_run_flags_and_rng_state_round_trips_through_
     flags = ["--preset", "tiny-reverse", "--run.name", "old", "--run.output-dir=/x", "--grpo.steps", "6"]
     flags += ["--run.stop-at-step", "2", "--grpo.dynamic-sampling", "--run.resume", "latest", "--optim.lr", "-1e-3"]
     assert resume_command("grpo", ckpt, flags) == (  # this interpreter: runnable as printed
-        f"{shlex.quote(sys.executable)} -m meshrl.controller.grpo --preset tiny-reverse --grpo.steps 6 --grpo.dynamic-sampling "
-        f"--optim.lr -1e-3 --run.output-dir {tmp_path / 'runs'} --run.name r1 --run.resume latest"
+        f"{shlex.quote(sys.executable)} -m meshrl.controller.grpo --preset tiny-reverse --grpo.steps 6 "
+        f"--grpo.dynamic-sampling --optim.lr -1e-3 --run.output-dir {tmp_path / 'runs'} --run.name r1 "
+        "--run.resume latest"
     )
     assert "no checkpoint" in resume_command("grpo", None, flags)
 

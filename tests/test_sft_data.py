@@ -7,6 +7,7 @@ import pytest
 
 from meshrl.checkpoint import CheckpointManager, resolve_resume
 from meshrl.data.sft import BadRowError, EpochSampler, load_sft_dataset
+from meshrl.errors import DataError
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_json_lists_and_datasets_directories(tmp_path, hf_tok):
     expected = load_sft_dataset(GOOD, hf_tok, max_seq_len=64).examples
     assert load_sft_dataset(tmp_path / "d.json", hf_tok, max_seq_len=64).examples == expected
     assert load_sft_dataset(str(tmp_path / "ds"), hf_tok, max_seq_len=64).examples == expected
-    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+    with pytest.raises(DataError, match="missing.jsonl does not exist"):
         load_sft_dataset(str(tmp_path / "missing.jsonl"), hf_tok, max_seq_len=64)
 
 

@@ -4,3 +4,7 @@ them without importing `meshrl.config`)."""
 
 class ConfigError(ValueError):
     """A user-fixable problem with the run configuration."""
+
+
+class DataError(ValueError):
+    """A user-fixable problem with the data: a source that does not exist or holds no usable row, a bad row."""

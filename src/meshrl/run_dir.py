@@ -56,8 +56,9 @@ def holds_run(path: Path) -> str | None:
     found = CheckpointManager(path).complete()
     if found:
         return f"{len(found)} checkpoint(s), the newest {found[-1].name}"
-    if (path / "summary.json").is_file():
-        return "a finished run: summary.json"
+    for done in ("summary.json", "eval.json"):
+        if (path / done).is_file():
+            return f"a finished run: {done}"
     metrics = path / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         return f"{sum(1 for line in metrics.open() if line.strip())} metric records in metrics.jsonl"

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from meshrl.data.rows import BadRowError, Source, iter_rows, source_name
-from meshrl.errors import ConfigError
+from meshrl.errors import ConfigError, DataError
 from meshrl.tasks.base import Row
 
 SKIP_HINT = "fix the row, or set --data.on-bad-row skip to skip such rows"
@@ -124,7 +124,7 @@ def load_prompt_rows(source: Source, cfg: DataConfig, *, limit: int | None = Non
             break
     if not rows:
         why = f"every row was bad; skipped: {dict(skipped)}" if skipped else "it holds no rows"
-        raise ValueError(f"prompt rows {name} have no usable rows ({why})")
+        raise DataError(f"prompt rows {name} have no usable rows ({why})")
     return PromptRows(rows, name, skipped)
 
 

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from meshrl.errors import DataError
+
 SUPPORTED_FORMS = (
     "a .jsonl file, a .json file (a list of objects, or JSON lines), a .parquet file, a directory written by "
     "datasets' save_to_disk (DIR, or DIR:SPLIT for a DatasetDict), or an in-memory list of dicts"
@@ -36,7 +38,7 @@ _BATCH_ROWS = 1024  # rows converted to Python objects at a time (datasets direc
 Source = str | os.PathLike | Iterable[Mapping[str, Any]]
 
 
-class BadRowError(ValueError):
+class BadRowError(DataError):
     """What is wrong with one row. Readers raise it with the reason only; loaders add the file and row number.
     `reason`: the same without anything particular to the row (a byte, a count), for counting skipped rows by
     reason; by default the message itself."""
@@ -71,7 +73,7 @@ def iter_rows(source: Source) -> Iterator[tuple[int, Any]]:
         dir_part, sep, split = name.rpartition(":")
         if sep and split and Path(dir_part).is_dir():
             return _datasets_dir(Path(dir_part), split, name)
-        raise FileNotFoundError(f"rows source {name} does not exist; expected {SUPPORTED_FORMS}")
+        raise DataError(f"rows source {name} does not exist; expected {SUPPORTED_FORMS}")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _json_lines(path)

@@ -20,6 +20,7 @@ from typing import Any
 
 from meshrl.data.rows import BadRowError, iter_rows, source_name
 from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
+from meshrl.errors import DataError
 from meshrl.tokenizer import unknown_characters
 
 
@@ -137,7 +138,7 @@ def load_sft_dataset(
             continue
         examples.append(ex)
     if not examples:
-        raise ValueError(f"SFT data {name} has no usable rows (skipped: {dict(skipped) or 'none'})")
+        raise DataError(f"SFT data {name} has no usable rows (skipped: {dict(skipped) or 'none'})")
     return SFTDataset(examples, name, skipped)
 
 

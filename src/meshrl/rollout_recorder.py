@@ -1,0 +1,149 @@
+"""What the policy actually wrote: every `log.rollouts_every` RL steps, one JSON line per trained sample in
+`<run dir>/rollouts.jsonl` — the first file to open when an RL run goes wrong (reward hacking, empty answers,
+a verifier that never fires, a stale policy version).
+
+A line of a single-completion run:
+
+    {"step": 7, "policy_version": 47, "prompt_index": 12, "group": 0, "sample": 3, "reward": 0.5,
+     "reward_parts": {"exact_match": 0.0, "char_match": 1.0}, "correct": false, "advantage": -0.41,
+     "reward_trained": 0.5, "finish_reason": "stop", "length": 5, "prompt": "abc=", "answer": "cba",
+     "completion": "cbb"}
+
+`policy_version` is the version of the weights that sampled the completion (the asynchronous loop trains on
+older ones); `reward` is the task's reward and `reward_trained` the one advantages were computed from (after
+overlong shaping and KL-in-reward). An episode of an environment (`--env`) has its `messages`, `turns`,
+`turn_rewards` and `error` in place of `completion`. Only the trained groups are written: those dynamic sampling
+or the staleness bound dropped never reach the loss.
+
+On resume the file is cut back to the steps before the checkpoint (they run again), as metrics.jsonl is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+class RolloutRecorder:
+    """Appends a step's trained samples to `<run_path>/rollouts.jsonl` every `every` RL steps (0: never). The file
+    keeps only the lines of steps before `start_step` (the step a resumed run starts from; 0: a fresh run)."""
+
+    def __init__(self, run_path: str | Path, every: int, setup: Any, *, start_step: int = 0) -> None:
+        self.path = Path(run_path) / ROLLOUTS_FILE
+        self.every, self.setup = every, setup
+        truncate_rollouts(self.path, start_step)
+
+    def write(self, step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any]) -> None:
+        """`batch`: the step's SampledGroups (controller/steps.py); `rewards` / `advantages`: per trained sample,
+        as the loss gets them."""
+        if not self.every or step % self.every:
+            return
+        lines = rollout_lines(step, batch, rewards, advantages, self.setup)
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(line, default=_plain) + "\n" for line in lines)
+
+
+def rollout_lines(
+    step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any], setup: Any
+) -> list[dict[str, Any]]:
+    """One dict per trained sample of `batch`, in training order."""
+    samples = batch.episodes or batch.completions
+    if not samples:
+        return []
+    g = len(samples) // len(batch.rows)
+    lines = []
+    if batch.episodes:
+        for i, episode in enumerate(batch.episodes):
+            out, versions = episode.outcome, sorted(episode.tokens.policy_versions)
+            lines.append(
+                {
+                    **_where(step, batch, i, g, versions[0] if versions else None),
+                    **({"policy_versions": versions} if len(versions) > 1 else {}),
+                    "reward": out.reward,
+                    "turn_rewards": list(out.turn_rewards),
+                    "correct": out.correct,
+                    "advantage": advantages[i],
+                    "reward_trained": rewards[i],
+                    "finish_reason": out.finish_reason,
+                    "turns": out.num_turns,
+                    "length": episode.tokens.num_model_tokens,
+                    "error": out.error,
+                    "prompt": out.row.prompt,
+                    "answer": out.row.answer,
+                    "messages": out.messages,
+                }
+            )
+        return lines
+    texts = setup.renderer.completion_texts([c.token_ids for c in batch.completions])
+    generated = generated_groups(batch, g)
+    n = len(batch.task_rewards)
+    parts = {name: values for name, values in batch.reward_parts.items() if len(values) == n}
+    for i, (c, text) in enumerate(zip(batch.completions, texts, strict=True)):
+        row = setup.train.rows[batch.rows[i // g]]
+        j = generated[i // g]
+        k = None if j is None else j * g + i % g  # this sample among every one scored this step
+        lines.append(
+            {
+                **_where(step, batch, i, g, c.policy_version),
+                **(
+                    {
+                        "reward": batch.task_rewards[k],
+                        "reward_parts": {name: values[k] for name, values in parts.items()},
+                        "correct": batch.correct[k],
+                    }
+                    if k is not None
+                    else {}
+                ),
+                "advantage": advantages[i],
+                "reward_trained": rewards[i],
+                "finish_reason": c.finish_reason,
+                "length": len(c.token_ids),
+                "prompt": row.prompt,
+                "answer": row.answer,
+                "completion": text,
+            }
+        )
+    return lines
+
+
+def _where(step: int, batch: Any, i: int, g: int, version: int | None) -> dict[str, Any]:
+    group = i // g
+    return {"step": step, "policy_version": version, "prompt_index": batch.rows[group], "group": group, "sample": i % g}
+
+
+def generated_groups(batch: Any, g: int) -> list[int | None]:
+    """For each trained group, its place among every group generated this step (`batch.drawn`, whose scores
+    `batch.task_rewards` / `reward_parts` / `correct` hold). Dynamic sampling and the staleness bound drop groups
+    but keep the order, so a prompt drawn once this step is found by its index; one drawn twice (an epoch
+    boundary) is ambiguous: None, and its line goes without the scores."""
+    drawn = list(batch.drawn)
+    if len(batch.task_rewards) != len(drawn) * g:
+        return [None] * len(batch.rows)
+    return [drawn.index(p) if drawn.count(p) == 1 else None for p in batch.rows]
+
+
+def truncate_rollouts(path: str | Path, step: int) -> None:
+    """Drop the lines of steps >= `step` (a resumed run writes them again)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    with path.open() as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] < step]
+    path.write_text("".join(kept))
+
+
+def read_rollouts(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / ROLLOUTS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays (an episode's per-token advantages) as JSON; anything else as its str (a line is
+    for reading: it never stops a run)."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
