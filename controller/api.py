@@ -22,7 +22,7 @@ from monarch.actor import this_host
 
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
 from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F401 - ActorDiedError: re-exported
-from meshrl.controller.replicas import ReplicaPool, RestartBudget
+from meshrl.controller.replicas import ReplicaPool, RestartBudget, WatchedMesh
 from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
 from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
@@ -124,11 +124,19 @@ class Controller:
         if trainer_cfg is not None:
             self._procs.append(host.spawn_procs(per_host={"procs": trainer_cfg.num_procs}))
             setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
-            self.trainer = self._procs[0].spawn(
-                "trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, pad_id
+            from meshrl.actors.heartbeat import Heartbeat
+
+            # Not replaceable (its ranks hold the optimiser state), but watched: a frozen rank ends the run named as
+            # frozen within heartbeat_s of a call waiting on it (controller/replicas.py).
+            self.trainer = WatchedMesh(
+                self._procs[0].spawn("trainer", PolicyTrainer, self.model_dir, model_cfg, trainer_cfg, pad_id),
+                self._procs[0].spawn("heartbeat", Heartbeat),
+                what=f"a trainer process ({trainer_cfg.num_procs} ranks)",
+                heartbeat_s=heartbeat_s,
+                on_frozen=self._kill_trainer,
             )
-            trainer_ready = Pending(
-                [self.trainer.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
+            trainer_ready = Pending(  # unwatched: its heartbeat may still be starting while the model loads
+                [self.trainer.mesh.setup.call()], lambda v: list(v[0].values()), call_timeout_s, "PolicyTrainer.setup"
             )
         self.generators = self.reward = None
         # A store of its own: two Controllers in one process (tests, a user's script) never see each other's
@@ -170,6 +178,18 @@ class Controller:
             self.reward.start()
         self.policy_version = self.trainer_info["policy_version"]
         self.generators_asleep = 0  # the sleep level the generators are at (a replacement is put there too)
+
+    def _kill_trainer(self) -> None:
+        """A frozen trainer rank cannot stop itself, and the others wait for it in a collective: kill them all (the
+        run ends; its checkpoints are on disk)."""
+        import signal
+
+        self.failures.append("trainer frozen")
+        for pid in self.trainer_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _bring_up_generator(self, i: int) -> None:
         """A replacement generator joins the run: the weights the others serve, and their sleep level."""

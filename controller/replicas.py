@@ -126,9 +126,13 @@ class ReplicaPool:
 
     def frozen(self, i: int) -> str | None:
         """Why replica i cannot answer (None: it answers its heartbeat within heartbeat_s)."""
+        replica = self.replicas[i]
         try:
-            self.replicas[i].heartbeat.beat.call_one().get(timeout=self.heartbeat_s)
+            replica.heartbeat.beat.call_one().get(timeout=self.heartbeat_s)
         except TimeoutError:
+            # Monarch may not have noticed a death yet: on this host, the process table tells.
+            if replica.host == socket.gethostname() and process_state(replica.pid) in (None, "Z"):
+                return "died (its process is gone)"
             return f"stopped answering: no heartbeat for {self.heartbeat_s:g}s (frozen or hung, not dead)"
         except SupervisionError as e:
             return f"died ({_last_line(e)})"
@@ -224,6 +228,73 @@ class ReplicaCall:
                 deadline = time.monotonic() + timeout
 
 
+def process_state(pid: int | None) -> str | None:
+    """The state letter of a process on this host (R, S, T for stopped, Z for a zombie...); None: no such process."""
+    if pid is None:
+        return None
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one read
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces and parentheses
+
+
 def _last_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
+
+
+class ActorFrozenError(RuntimeError):
+    """An actor process stopped answering its heartbeat: frozen or hung, not dead."""
+
+
+class WatchedMesh:
+    """An actor mesh that is not replaced (the trainer) but watched: waiting on any of its calls checks its
+    processes' heartbeat every `poll_s`, so a frozen process ends the run within `heartbeat_s` of being waited on,
+    named as frozen, instead of after Monarch's supervision timeout (reported as a death) or the call timeout.
+    `on_frozen()` runs first (killing the processes: a frozen process cannot stop itself)."""
+
+    def __init__(
+        self, mesh: Any, heartbeat: Any, *, what: str, heartbeat_s: float, on_frozen: Callable[[], None],
+        poll_s: float = 1.0,
+    ) -> None:  # fmt: skip
+        self.mesh, self._heartbeat, self._what = mesh, heartbeat, what  # `mesh`: the actors, unwatched
+        self._heartbeat_s, self._on_frozen, self._poll_s = heartbeat_s, on_frozen, poll_s
+
+    def __getattr__(self, endpoint: str) -> _WatchedEndpoint:
+        return _WatchedEndpoint(self, getattr(self.mesh, endpoint))
+
+    def check(self) -> None:
+        try:
+            self._heartbeat.beat.call().get(timeout=self._heartbeat_s)
+        except TimeoutError:
+            self._on_frozen()
+            raise ActorFrozenError(
+                f"{self._what} stopped answering: no heartbeat for {self._heartbeat_s:g}s (frozen or hung, not dead)"
+            ) from None
+        except SupervisionError:
+            pass  # died: the call itself raises that
+
+
+class _WatchedEndpoint:
+    def __init__(self, mesh: WatchedMesh, endpoint: Any) -> None:
+        self._mesh, self._endpoint = mesh, endpoint
+
+    def call(self, *args: Any) -> _WatchedFuture:
+        return _WatchedFuture(self._mesh, self._endpoint.call(*args))
+
+
+class _WatchedFuture:
+    def __init__(self, mesh: WatchedMesh, future: Any) -> None:
+        self._mesh, self._future = mesh, future
+
+    def get(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self._mesh._poll_s if deadline is None else deadline - time.monotonic()
+            try:
+                return self._future.get(timeout=max(0.0, min(self._mesh._poll_s, left)))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                self._mesh.check()

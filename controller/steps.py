@@ -29,6 +29,7 @@ from meshrl.checkpoint import (
 )
 from meshrl.config import EvalConfig
 from meshrl.controller.api import ActorDiedError, Controller
+from meshrl.controller.replicas import ActorFrozenError
 from meshrl.data.sampler import EpochSampler
 from meshrl.errors import ConfigError
 from meshrl.rewards import ScoredSample
@@ -276,7 +277,11 @@ class RunCheckpoints:
             raise
         except Exception as e:  # noqa: BLE001 - every failure ends with the resume hint
             latest = self.manager.latest()
-            kind = "an actor process died" if isinstance(e, ActorDiedError) else type(e).__name__
+            kind = type(e).__name__
+            if isinstance(e, ActorDiedError):
+                kind = "an actor process died"
+            elif isinstance(e, ActorFrozenError):
+                kind = "an actor process stopped answering"
             raise RunFailedError(
                 f"run failed ({kind}): {e}\n"
                 f"  last good checkpoint: {latest or 'none yet'}\n"

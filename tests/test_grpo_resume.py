@@ -328,3 +328,33 @@ def test_generator_and_reward_processes_killed_or_frozen_are_replaced_and_the_ru
     restarts = [r["replicas_restarted"] for r in faulted if r["phase"] == "rl"]
     assert restarts == sorted(restarts) and restarts[0] == 0 and restarts[-1] == 3, restarts
     assert comparable(faulted) == comparable(_records(straight[0]))  # no sample lost, none drawn twice
+
+
+def test_a_frozen_trainer_rank_ends_the_run_named_as_frozen_within_the_heartbeat(out):
+    """A trainer rank cannot be replaced (the ranks hold the optimiser state), but a frozen one (SIGSTOP) is told
+    apart from a dead one and ends the run within the heartbeat window of the call waiting on it — not after
+    Monarch's supervision timeout or the call timeout — with the resume command; no rank is left behind."""
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "z"]
+    proc = subprocess.Popen(
+        [*cmd, "--run.heartbeat-s", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    lines = _Lines(proc)
+    try:
+        pids = [int(p) for p in lines.wait_for(r"trainer processes \(pids\): \[([\d, ]+)\]")[1].group(1).split(",")]
+        _wait_for_step(out / "z", 2, proc)  # the checkpoint of step 2 is written
+        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped_at = time.time()
+        os.kill(proc.pid, signal.SIGCONT)
+        detected_at, _ = lines.wait_for(
+            r"run failed \(an actor process stopped answering\): .*a trainer process .*"
+            r"stopped answering: no heartbeat for 5s \(frozen or hung, not dead\)"
+        )
+        lines.wait_for(r"last good checkpoint: .*/z/checkpoints/step_00000002")
+        lines.wait_for(r"resume with: .* --run.name z --run.resume latest")
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert detected_at - stopped_at < 60, detected_at - stopped_at
+    assert all(_gone(pid, 30) for pid in pids), "trainer processes outlived the run"

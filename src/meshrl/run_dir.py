@@ -86,6 +86,7 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         if not resume:
             if held := holds_run(self.path):
+                self.close()  # refused: the directory stays free for the run that may continue it
                 raise ConfigError(
                     f"run directory {self.path} already holds a run ({held}); a new run there would mix with it. "
                     "Continue it with --run.resume latest, or give this run another --run.name (or --run.output-dir)"
