@@ -342,6 +342,7 @@ def main(
             ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
         if cfg.grpo.max_staleness:
             ctl.versions_kept = cfg.grpo.max_staleness + 1
+            ctl.generators.replaceable = False  # rounds in flight wait on their weights version: resume instead
             buffer = RolloutBuffer(ctl, setup, sampling, cfg.grpo, dp=cfg.trainer.num_procs, total_steps=cfg.grpo.steps)
             if resumed:
                 buffer.restore(resumed.get("rollouts", {}))

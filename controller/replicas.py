@@ -83,6 +83,9 @@ class ReplicaPool:
         self.role, self._spawn_fn, self.setup_endpoint = role, spawn, setup
         self.budget, self.timeout_s, self.heartbeat_s, self.poll_s = budget, timeout_s, heartbeat_s, poll_s
         self.bring_up: Callable[[int], None] | None = None
+        # False: a failed replica ends the run instead (the asynchronous loop: its queued requests wait on the
+        # weights version they were sent for, which a replacement may no longer be able to load).
+        self.replaceable = True
         self._lock = threading.Lock()
         self.replicas = [self._spawn(i) for i in range(num)]
         # Set up now, waited for in `start`: the caller builds its other meshes meanwhile (models load in parallel).
@@ -145,6 +148,8 @@ class ReplicaPool:
             if old.generation != generation:
                 return
             what = f"{self.role} {i} (pid {old.pid})"
+            if not self.replaceable:
+                raise ReplicaFailedError(f"{what} {why}; {self.role}s are not replaced in this loop: resume instead")
             self.budget.spend(what, why)
             print(
                 f"[meshrl] {what} {why}: replacing it ({self.budget.used} of run.max_restarts="
