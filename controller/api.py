@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import monarch.actor
-from monarch.actor import this_host
 
 from meshrl.actors import Generator, PolicyTrainer, RewardActor
 from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F401 - ActorDiedError: re-exported
+from meshrl.controller.provision import Provisioner
 from meshrl.controller.replicas import ReplicaPool, RestartBudget, WatchedMesh
 from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
 from meshrl.rewards import RewardSet, ScoredSample
@@ -89,6 +89,7 @@ class Controller:
         reward_weights: dict[str, float] | None = None,
         max_restarts: int = 3,
         heartbeat_s: float = 20.0,
+        placement: Any = None,
     ) -> None:
         from monarch.spmd import setup_torch_elastic_env
 
@@ -114,7 +115,8 @@ class Controller:
         monarch.actor.unhandled_fault_hook = lambda failure: self.failures.append(str(failure))
         _export_import_path()
         remove_stale_files()  # left by an earlier run whose trainer or controller was SIGKILLed
-        host = this_host()
+        # Every process mesh comes from the provisioner: this machine, or Monarch workers on other hosts.
+        self.provision = placement if isinstance(placement, Provisioner) else Provisioner(placement)
         # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator,
         # one without training (evaluation of a checkpoint) no trainer: its generators load `model_dir` as it is.
         self._procs, self.trainer, trainer_ready = [], None, None
@@ -122,7 +124,7 @@ class Controller:
         self.restarts = RestartBudget(max_restarts)
         pool_kw = dict(budget=self.restarts, timeout_s=call_timeout_s, heartbeat_s=heartbeat_s)
         if trainer_cfg is not None:
-            self._procs.append(host.spawn_procs(per_host={"procs": trainer_cfg.num_procs}))
+            self._procs.append(self.provision.procs("trainer", trainer_cfg.num_procs))
             setup_torch_elastic_env(self._procs[0])  # RANK/WORLD_SIZE/MASTER_ADDR for torch.distributed
             from meshrl.actors.heartbeat import Heartbeat
 
@@ -149,7 +151,7 @@ class Controller:
                 asyncio.run(init_weight_store(self.store_name))
 
             def spawn_generator(i: int) -> tuple[Any, Any]:
-                procs = host.spawn_procs(per_host={"procs": 1})
+                procs = self.provision.procs("generator", 1)
                 return procs, procs.spawn("generator", Generator, self.model_dir, generator_cfg, seed, i)
 
             self.generators = ReplicaPool(
@@ -161,7 +163,7 @@ class Controller:
             self.num_reward_procs = rewards.cfg.num_procs
 
             def spawn_reward(i: int) -> tuple[Any, Any]:
-                procs = host.spawn_procs(per_host={"procs": 1})
+                procs = self.provision.procs("reward", 1)
                 return procs, procs.spawn("reward", RewardActor, rewards, i)
 
             self.reward = ReplicaPool("reward", self.num_reward_procs, spawn_reward, **pool_kw)
@@ -330,7 +332,7 @@ class Controller:
 
         if self.reference is not None:
             raise RuntimeError("the reference model is already running")
-        procs = this_host().spawn_procs(per_host={"procs": num_procs})
+        procs = self.provision.procs("reference", num_procs)
         self._procs.append(procs)
         setup_torch_elastic_env(procs)
         self.reference = procs.spawn("reference", ReferenceModel, str(model_dir), *self._model_args)

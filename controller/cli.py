@@ -51,19 +51,25 @@ def parse_run_config(
         sys.exit(f"config error: {e}")
 
 
+# `--NAME VALUE` is `--NAME.FIELD VALUE` for these sections (their other fields keep their dotted flags).
+_SHORTHANDS = {"env": "name", "placement": "kind"}
+
+
 def _env_shorthand(args: list[str], cls: type) -> list[str]:
-    """`--env NAME` is `--env.name NAME` (the environment section's other fields stay `--env.max-turns` ...)."""
-    if "env" not in getattr(cls, "__dataclass_fields__", {}):
-        return args
+    """`--env NAME` is `--env.name NAME`, `--placement hosts` is `--placement.kind hosts`."""
+    fields = getattr(cls, "__dataclass_fields__", {})
     out = []
     for i, a in enumerate(args):
-        if a == "--env" and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out.append("--env.name")
-        elif a.startswith("--env="):
-            out += ["--env.name", a.split("=", 1)[1]]
-            continue
-        else:
-            out.append(a)
+        section = a.removeprefix("--").split("=", 1)[0]
+        if a.startswith("--") and section in _SHORTHANDS and section in fields:
+            flag = f"--{section}.{_SHORTHANDS[section]}"
+            if "=" in a:
+                out += [flag, a.split("=", 1)[1]]
+                continue
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                out.append(flag)
+                continue
+        out.append(a)
     return out
 
 

@@ -69,6 +69,7 @@ def main(
         call_timeout_s=cfg.run.call_timeout_s,
         max_restarts=cfg.run.max_restarts,
         heartbeat_s=cfg.run.heartbeat_s,
+        placement=cfg.placement,
     ) as ctl:
         record = run_eval(
             ctl, setup, cfg.eval, max_tokens=max_tokens, temperature=cfg.generator.temperature,

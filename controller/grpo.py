@@ -300,6 +300,7 @@ def main(
         call_timeout_s=cfg.run.call_timeout_s,
         max_restarts=cfg.run.max_restarts,
         heartbeat_s=cfg.run.heartbeat_s,
+        placement=cfg.placement,
     )
     handoff = memory_handoff(ctl, cfg)
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
@@ -308,6 +309,7 @@ def main(
         print(f"[meshrl] generator processes (pids): {[g['pid'] for g in ctl.generator_info]}", flush=True)
         if ctl.reward is not None:
             print(f"[meshrl] reward processes (pids): {ctl.reward.pids}", flush=True)
+        print(f"[meshrl] placement: {ctl.provision.describe()}", flush=True)
         # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
         # never repeats either; it reloads the trainer, the RNG, the data cursor and the before-RL result.
         if resumed := ckpts.restore(ctl):

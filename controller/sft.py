@@ -111,6 +111,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         call_timeout_s=cfg.run.call_timeout_s,
         max_restarts=cfg.run.max_restarts,
         heartbeat_s=cfg.run.heartbeat_s,
+        placement=cfg.placement,
     )
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)

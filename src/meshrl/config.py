@@ -651,6 +651,50 @@ METRIC_BACKENDS = ("tensorboard", "wandb")
 
 
 @dataclass
+class PlacementConfig:
+    kind: str = "local"
+    """Where the run's processes start: 'local' (this machine) or 'hosts' (Monarch workers already running, one
+    per host, started with `python -m meshrl.controller.worker --address tcp://HOST:PORT`; the controller attaches
+    to them and spawns every process there)."""
+    workers: str | None = None
+    """kind=hosts: the workers' addresses, comma-separated, e.g. 'tcp://node0:26600,tcp://node1:26600'; host i is
+    the i-th."""
+    trainer_host: int = 0
+    """kind=hosts: the host (index into --placement.workers; negative counts from the end) of the trainer ranks."""
+    generator_host: int = -1
+    """kind=hosts: the host of the generator replicas (default: the last)."""
+    reward_host: int = -1
+    """kind=hosts: the host of the reward processes (default: the last)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "hosts"):
+            raise ConfigError(
+                f"placement.kind={self.kind!r}; use 'local' or 'hosts' (Monarch workers you started; on Slurm or "
+                "Kubernetes start one per node, as the README's 'Running on several machines' shows)"
+            )
+        addresses = self.worker_addresses
+        if self.kind == "hosts":
+            if not addresses:
+                raise ConfigError("--placement hosts needs --placement.workers tcp://HOST:PORT,... (one per host)")
+            for a in addresses:
+                if "://" not in a:
+                    raise ConfigError(f"placement.workers entry {a!r} is not an address like tcp://HOST:PORT")
+            for name in ("trainer_host", "generator_host", "reward_host"):
+                index = getattr(self, name)
+                if not -len(addresses) <= index < len(addresses):
+                    raise ConfigError(
+                        f"placement.{name}={index}, but --placement.workers names {len(addresses)} host(s): use "
+                        f"0..{len(addresses) - 1} (or -1 for the last)"
+                    )
+        elif addresses:
+            raise ConfigError("--placement.workers has no effect with placement.kind=local; add --placement hosts")
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [a.strip() for a in (self.workers or "").split(",") if a.strip()]
+
+
+@dataclass
 class LogConfig:
     backends: str = "tensorboard"
     """Where metrics go besides metrics.jsonl, comma-separated: tensorboard (event files in the run dir's tb/),
@@ -723,6 +767,7 @@ class GRPORunConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -894,6 +939,7 @@ class SFTRunConfig:
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -933,6 +979,7 @@ class EvalRunConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(samples=8))
     run: RunConfig = field(default_factory=RunConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         if self.data.train is not None:
