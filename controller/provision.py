@@ -35,9 +35,8 @@ class Provisioner:
             # TLS between controller and workers is not plumbed in this Monarch (attach_to_workers raises for it):
             # run the workers on a private network, as a Slurm or Kubernetes job's nodes are.
             self._hosts = attach_to_workers(ca="trust_all_connections", workers=self.cfg.worker_addresses)
-        index = {"trainer": self.cfg.trainer_host, "generator": self.cfg.generator_host}.get(role, self.cfg.reward_host)
-        if role == "reference":  # beside the trainer: it computes the same batches' logprobs
-            index = self.cfg.trainer_host
+        # The reference model goes beside the trainer: it computes the same batches' logprobs.
+        index = getattr(self.cfg, f"{'trainer' if role == 'reference' else role}_host")
         return self._hosts.slice(hosts=index % len(self.cfg.worker_addresses))
 
     def procs(self, role: str, num: int) -> Any:

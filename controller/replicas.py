@@ -216,12 +216,10 @@ class ReplicaCall:
     def get(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = self.pool.poll_s if deadline is None else deadline - time.monotonic()
             try:
-                return self.future.get(timeout=max(0.0, min(self.pool.poll_s, left)))
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
+                value = _get_slice(self.future, deadline, self.pool.poll_s)
+                if value is not _NOT_YET:
+                    return value
                 why = self.pool.frozen(self.index)
                 if why is None:
                     continue  # busy, and alive
@@ -231,6 +229,21 @@ class ReplicaCall:
             self._send()
             if timeout is not None:  # the re-sent request gets the whole time again
                 deadline = time.monotonic() + timeout
+
+
+_NOT_YET = object()
+
+
+def _get_slice(future: Any, deadline: float | None, poll_s: float) -> Any:
+    """`future`'s value if it comes within `poll_s` (else _NOT_YET: time to check on the process); TimeoutError
+    once `deadline` has passed. A Monarch future survives a timed-out get."""
+    left = poll_s if deadline is None else deadline - time.monotonic()
+    try:
+        return future.get(timeout=max(0.0, min(poll_s, left)))
+    except TimeoutError:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise
+        return _NOT_YET
 
 
 def process_state(pid: int | None) -> str | None:
@@ -295,11 +308,6 @@ class _WatchedFuture:
 
     def get(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = self._mesh._poll_s if deadline is None else deadline - time.monotonic()
-            try:
-                return self._future.get(timeout=max(0.0, min(self._mesh._poll_s, left)))
-            except TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                self._mesh.check()
+        while (value := _get_slice(self._future, deadline, self._mesh._poll_s)) is _NOT_YET:
+            self._mesh.check()
+        return value

@@ -630,8 +630,9 @@ class RunConfig:
     """Generator or reward processes replaced during the run after they die or hang (their requests re-sent, no
     sample lost); one more failure ends the run with the resume command. 0: the first failure ends the run."""
     heartbeat_s: float = 20.0
-    """A generator or reward process that answers no heartbeat for this long is hung: it is replaced (as a dead
-    one is). Heartbeats are answered between requests and while generating, so long work is not a hang."""
+    """A process that answers no heartbeat for this long while a call waits on it is frozen: a generator or reward
+    process is replaced (as a dead one is), a trainer rank ends the run. Heartbeats are answered between requests
+    and while generating, so long work is not a hang."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

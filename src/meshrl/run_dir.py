@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from meshrl.checkpoint import CheckpointManager
 from meshrl.errors import ConfigError
 
 LOCK = ".lock"
@@ -51,8 +52,6 @@ def _lock(path: Path) -> IO[str]:
 def holds_run(path: Path) -> str | None:
     """What makes `path` a run that a new one must not overwrite (None: nothing): a checkpoint, a summary, logged
     metrics; or files that are not a meshrl run's at all."""
-    from meshrl.checkpoint import CheckpointManager
-
     found = CheckpointManager(path).complete()
     if found:
         return f"{len(found)} checkpoint(s), the newest {found[-1].name}"
