@@ -127,8 +127,9 @@ class PolicyTrainer(Actor):
 
     @endpoint
     async def push_weights(self, version: int, dtype: str = "float32", store_name: str | None = None) -> int:
-        """Gather the full weights (collective) and publish them from rank 0 under `version`, cast to `dtype`, with
-        the run's transport (meshrl.weight_sync.pubsub). Returns the bytes published (0 on the other ranks)."""
+        """Publish the weights under `version`, cast to `dtype`, with the run's transport (collective;
+        meshrl.weight_sync.pubsub): over torchstore each rank its own shards, over a shared buffer rank 0 the
+        gathered weights. Returns the bytes this rank published."""
         if store_name is not None and isinstance(self.publisher, StorePublisher):
             self.publisher.store_name = store_name
         with self.busy_log.busy("push_weights"):

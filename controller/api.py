@@ -148,7 +148,11 @@ class Controller:
         self.weights: WeightSync | None = None  # trainer -> generators (controller/weight_sync.py)
         if generator_cfg is not None:
             if generator_cfg.weight_sync not in SHARED_BUFFER_TRANSPORTS:  # 'auto' may end up needing it
-                asyncio.run(init_weight_store(self.store_name))
+                # One storage volume per trainer rank, on the trainer's host: each rank puts its own shards into a
+                # process of its own, next to it, and generators fetch from all of them (weight_sync/store.py).
+                volumes = trainer_cfg.num_procs if trainer_cfg is not None else 1
+                host = self.provision.host("trainer") if trainer_cfg is not None else None
+                asyncio.run(init_weight_store(self.store_name, host=host, num_volumes=volumes))
 
             def spawn_generator(i: int) -> tuple[Any, Any]:
                 procs = self.provision.procs("generator", 1)

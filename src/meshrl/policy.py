@@ -568,6 +568,11 @@ class Policy:
         hf = self.backend.hf_state_dict()
         return {k: (v.to(dtype) if dtype is not None else v).detach() for k, v in hf.items()}
 
+    def weight_shards(self) -> dict[str, torch.Tensor] | None:
+        """This rank's part of the weights under HF names (DTensors where sharded), gathering nothing; None when
+        whole tensors are needed to convert them (LoRA merge; an adapter that fuses): use `hf_state_dict`."""
+        return self.backend.hf_shards()
+
     def publish_weights_ipc(self, version: int, dtype: torch.dtype) -> CudaIpcHandle | None:
         """Same-GPU weight sync (`meshrl.weight_sync.cuda_ipc`). Collective (the full weights are gathered);
         rank 0 copies them, cast to `dtype`, into its shared flat buffer (allocated on the first call) and

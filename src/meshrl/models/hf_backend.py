@@ -268,6 +268,19 @@ class HFBackend:
                 out[f"{prefix}.weight"] = (w.float() + (delta.T if transposed else delta)).to(w.dtype)
         return out
 
+    def hf_shards(self) -> dict[str, torch.Tensor] | None:
+        """What this rank holds of each weight (FSDP2 DTensors, or whole tensors on one rank unsharded) under the
+        checkpoint's names, without gathering anything; None with LoRA, whose merge W + scaling · B @ A needs
+        whole factors (publish `hf_state_dict` then)."""
+        if self.lora_config is not None:
+            return None
+        out = {}
+        for name, t in self.model.state_dict().items():
+            hf = self._hf_name(name)
+            if hf not in self._aliases:
+                out[hf] = t.detach()
+        return out
+
     def _live_state_dict(self) -> dict[str, torch.Tensor]:
         """One rank, no LoRA: the parameters' own local tensors under HF names, without a state_dict() pass or
         DTensor dispatch per tensor (~300 of them; this is the per-version cost of same-GPU weight sync). The

@@ -194,6 +194,15 @@ class TorchtitanBackend:
         full = {k: full_tensor(v, snapshot=snapshot) for k, v in self.model.state_dict().items()}
         return qwen3.titan_to_hf(full, self.titan_config)
 
+    def hf_shards(self) -> dict[str, torch.Tensor] | None:
+        """What this rank holds of each weight (its FSDP2 DTensors) under HF names, without gathering anything;
+        None when the state-dict adapter does more than rename (fusing or permuting needs whole tensors)."""
+        from meshrl.weight_sync.shards import renamed_only
+
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        hf = qwen3.titan_to_hf(sd, self.titan_config)
+        return hf if renamed_only(sd, hf) else None
+
     def load_hf(self, path: str) -> None:
         hf_cfg = qwen3.read_hf_config(path)
         for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):

@@ -21,6 +21,7 @@ _STORE_NAMES = (
     "pull_weights",
     "push_weights",
     "shutdown_weight_store",
+    "version_tables",
     "weights_key",
 )
 

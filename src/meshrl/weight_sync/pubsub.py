@@ -5,7 +5,7 @@ controller/weight_sync.py).
 
 | transport  | publisher (trainer, every rank)                       | subscriber (each generator)                   |
 | ---------- | ----------------------------------------------------- | --------------------------------------------- |
-| torchstore | rank 0 puts the full weights into torchstore          | gets exactly `version` from torchstore         |
+| torchstore | each rank puts its own shards into torchstore         | gets every rank's chunks of exactly `version`  |
 | cuda_ipc   | rank 0 copies into its persistent flat GPU buffer     | copies out through the IPC handle (sent once) |
 | shm        | the same flat buffer in /dev/shm (CPU runs and tests) | the same, from the mapped file                |
 
@@ -56,24 +56,42 @@ class WeightSubscriber(Protocol):
 
 
 class StorePublisher:
-    """'torchstore': rank 0 puts the weights into the store's storage process."""
+    """'torchstore': every rank puts its own shards into the store (`store.put_rank`), rank 0 then makes the
+    version visible. The chunk buffers (pinned host memory on a GPU) are kept for the next version."""
 
     transport = "torchstore"
 
     def __init__(self, store_name: str = DEFAULT_STORE) -> None:
         self.store_name = store_name
+        self._buffers: list[torch.Tensor] | None = None
+        self.gathered = False  # whether the last publish needed whole tensors (rank 0 published them alone)
 
     async def publish(self, policy: Any, version: int, dtype: torch.dtype) -> int:
-        from meshrl.weight_sync.store import push_weights
+        import torch.distributed as dist
 
-        state_dict = policy.hf_state_dict(dtype)  # collective: every rank takes part
-        return await push_weights(state_dict, version, store_name=self.store_name) if policy.rank == 0 else 0
+        from meshrl.weight_sync.store import finish_version, put_rank
+
+        shards, num_ranks = policy.weight_shards(), policy.world_size
+        self.gathered = shards is None
+        if shards is None:  # the same on every rank: they run the same code on the same model
+            whole = policy.hf_state_dict(dtype)  # collective: every rank takes part
+            if policy.rank != 0:
+                return 0
+            shards, num_ranks = whole, 1
+        nbytes, self._buffers = await put_rank(
+            shards, version, rank=policy.rank, dtype=dtype, store_name=self.store_name, buffers=self._buffers
+        )
+        if num_ranks > 1:
+            dist.barrier()  # every rank's chunks and table are in the store
+        if policy.rank == 0:
+            await finish_version(version, num_ranks, store_name=self.store_name)
+        return nbytes
 
     def handle(self) -> None:
         return None
 
     def close(self) -> None:
-        pass
+        self._buffers = None
 
 
 class SharedBufferPublisher:

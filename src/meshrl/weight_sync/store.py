@@ -1,13 +1,17 @@
-"""Versioned policy-weight exchange over torchstore (trainer pushes, generators pull).
+"""Versioned policy-weight exchange over torchstore (trainer ranks push their shards, generators pull).
 
-Layout in the store (``prefix`` defaults to "policy", one key per tensor)::
+Layout in the store (``prefix`` defaults to "policy"; `shards.py` packs and unpacks the chunks)::
 
-    policy/v3/<param name>      full (non-DTensor) CPU tensors, already cast to the generator dtype
-    policy/v3/__manifest__      {"version", "names", "shapes", "dtypes", "nbytes"}; written after
-                                every tensor of v3, so "manifest present" == "v3 complete"
-    policy/__latest__           int, the highest complete version; written last
+    policy/v3/rank<r>/chunk<i>   flat uint8 CPU tensors: what trainer rank r holds of every tensor (its local
+                                 DTensor shards), cast to the generator dtype, packed back to back
+    policy/v3/rank<r>/__table__  where each of rank r's pieces sits (tensor, offsets, chunk, byte offset)
+    policy/v3/__manifest__       {"version", "tables", "nbytes"}; written after every rank's chunks and table,
+                                 so "manifest present" == "v3 complete"
+    policy/__latest__            int, the highest complete version; written last
 
-Readers go through the manifest, so a reader never sees a version whose tensors are not all
+No rank gathers the model: each publishes its own shards (in parallel, to the storage volume of its own rank,
+`init_weight_store(num_volumes=...)`), and a generator fetches every rank's chunks and puts whole tensors back
+together. Readers go through the manifest, so a reader never sees a version whose chunks are not all
 written, and ``pull_weights(v)`` only ever reads keys of ``v``.
 
 Who calls what:
@@ -33,16 +37,18 @@ from typing import Any
 import torch
 
 from meshrl.weight_sync.pubsub import DEFAULT_STORE
+from meshrl.weight_sync.shards import DEFAULT_CHUNK_BYTES, assemble, pack
 from meshrl.weight_sync.torchstore_compat import apply_torchstore_compat
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "policy"
 _MANIFEST = "__manifest__"
+_TABLE = "__table__"
 _LATEST = "__latest__"
-# Tensors in flight per push/pull. Each put/get is two small RPCs plus the payload message;
-# overlapping a few hides the per-RPC latency without holding many casted copies at once.
-_CONCURRENCY = 8
+# Chunks in flight per push/pull: each put/get is two small RPCs plus the payload message, and Monarch moves
+# several mid-sized messages at once much faster than one after the other (shards.py's docstring has the figures).
+_CONCURRENCY = 16
 
 # Storage-volume proc meshes this process spawned in init_weight_store (stopped on shutdown).
 _owned_meshes: dict[str, Any] = {}
@@ -106,24 +112,34 @@ async def _get_object_or_none(client, key: str):
 # controller side
 
 
-async def init_weight_store(store_name: str = DEFAULT_STORE, *, mesh: Any = None) -> None:
+async def init_weight_store(
+    store_name: str = DEFAULT_STORE, *, mesh: Any = None, host: Any = None, num_volumes: int = 1
+) -> None:
     """Create the store (controller side, once per run; repeated calls in one process are no-ops).
 
-    Spawns one torchstore StorageVolume actor - on ``mesh`` (a 1-proc ProcMesh) if given, else on
-    a new 1-proc mesh on this host, which :func:`shutdown_weight_store` stops again - and
-    torchstore's Controller actor (in this process, via monarch's controller registry).
+    Spawns ``num_volumes`` torchstore StorageVolume actors - on ``mesh`` (a ProcMesh of that many processes) if
+    given, else on new processes on ``host`` (a Monarch host mesh; default: this host), which
+    :func:`shutdown_weight_store` stops again - and torchstore's Controller actor (in this process, via monarch's
+    controller registry). With several volumes, trainer rank r puts into volume r % num_volumes
+    (`torchstore_compat.RankVolumes`): give one per trainer rank, on the trainer's host, and the ranks' pushes
+    land in parallel, each in a process of its own host.
     """
     if store_name in _initialized:
         return
     apply_torchstore_compat()
     import torchstore
 
-    if mesh is None:
-        from monarch.actor import this_host
+    from meshrl.weight_sync.torchstore_compat import RankVolumes
 
-        mesh = this_host().spawn_procs(per_host={"procs": 1})
+    if mesh is None:
+        if host is None:
+            from monarch.actor import this_host
+
+            host = this_host()
+        mesh = host.spawn_procs(per_host={"procs": num_volumes})
         _owned_meshes[store_name] = mesh
-    await torchstore.initialize(num_storage_volumes=1, store_name=store_name, mesh=mesh)
+    strategy = RankVolumes(num_volumes) if num_volumes > 1 else None
+    await torchstore.initialize(num_storage_volumes=num_volumes, strategy=strategy, store_name=store_name, mesh=mesh)
     _initialized.add(store_name)
 
 
@@ -150,20 +166,6 @@ async def shutdown_weight_store(store_name: str = DEFAULT_STORE) -> None:
 # trainer / generator side
 
 
-def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        raise TypeError("push_weights takes full tensors; call .full_tensor() on DTensors first")
-    t = t.detach()
-    target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    t = t.to(device="cpu", dtype=target)
-    # Pickling a tensor ships its whole storage: compact views / non-contiguous tensors first.
-    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        t = t.contiguous().clone()
-    return t
-
-
 async def _bounded_gather(coros_fn, items, limit: int = _CONCURRENCY) -> list:
     sem = asyncio.Semaphore(limit)
 
@@ -174,6 +176,68 @@ async def _bounded_gather(coros_fn, items, limit: int = _CONCURRENCY) -> list:
     return await asyncio.gather(*(one(i) for i in items))
 
 
+def _chunk_key(base: str, rank: int, i: int) -> str:
+    return f"{base}/rank{rank}/chunk{i}"
+
+
+def _table_key(base: str, rank: int) -> str:
+    return f"{base}/rank{rank}/{_TABLE}"
+
+
+async def put_rank(
+    state_dict: dict[str, torch.Tensor],
+    version: int,
+    *,
+    rank: int = 0,
+    dtype: torch.dtype | None = None,
+    store_name: str = DEFAULT_STORE,
+    prefix: str = DEFAULT_PREFIX,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    buffers: list[torch.Tensor] | None = None,
+) -> tuple[int, list[torch.Tensor]]:
+    """Store this trainer rank's part of ``version``: what it holds of each tensor (a DTensor's local shard; a
+    plain tensor on rank 0 only), cast to ``dtype`` (floating point only), packed into chunks (`shards.pack`).
+    Returns the payload bytes and the chunk buffers (pass them back as ``buffers`` next time to reuse them). The
+    version is not visible until :func:`finish_version` runs, after every rank's ``put_rank``."""
+    client = await _client(store_name)
+    if await _get_object_or_none(client, _manifest_key(version, prefix)) is not None:
+        raise ValueError(f"weights {weights_key(version, prefix)} already pushed; delete_weights() first")
+    if any(n in (_MANIFEST, _TABLE) for n in state_dict):
+        raise ValueError(f"parameter names {_MANIFEST!r} and {_TABLE!r} are reserved")
+    table, chunks = pack(state_dict, rank, dtype, chunk_bytes, buffers)
+    base = weights_key(version, prefix)
+
+    async def put_one(i: int) -> None:
+        await client.put(_chunk_key(base, rank, i), chunks[i])
+
+    await _bounded_gather(put_one, range(len(chunks)))
+    await client.put(_table_key(base, rank), table)
+    return table.nbytes, chunks
+
+
+async def finish_version(
+    version: int, num_ranks: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX
+) -> int:
+    """Make ``version`` visible once all ``num_ranks`` ranks' ``put_rank`` returned (one caller, e.g. rank 0 after
+    a barrier): its manifest (every rank's table), then the "latest" marker (only raised). Returns the payload
+    bytes of the whole version."""
+    client = await _client(store_name)
+    base = weights_key(version, prefix)
+    tables = []
+    for rank in range(num_ranks):
+        table = await _get_object_or_none(client, _table_key(base, rank))
+        if table is None:
+            raise RuntimeError(f"{base}: trainer rank {rank} has not stored its part")
+        tables.append(table)
+    nbytes = sum(t.nbytes for t in tables)
+    manifest = {"version": int(version), "tables": tables, "nbytes": nbytes}
+    await client.put(_manifest_key(version, prefix), manifest)
+    current = await _get_object_or_none(client, _latest_key(prefix))
+    if current is None or int(version) > current:
+        await client.put(_latest_key(prefix), int(version))
+    return nbytes
+
+
 async def push_weights(
     state_dict: dict[str, torch.Tensor],
     version: int,
@@ -182,47 +246,19 @@ async def push_weights(
     store_name: str = DEFAULT_STORE,
     prefix: str = DEFAULT_PREFIX,
 ) -> int:
-    """Store ``state_dict`` as ``version``; return the bytes pushed (after the cast).
-
-    Floating-point tensors are cast to ``dtype`` (the generator's dtype) if given; integer/bool
-    tensors keep their dtype. Everything is moved to CPU. Tensors go first, then the version's
-    manifest, then the "latest" marker (only raised, never lowered). Pushing a version that is
-    already complete raises ``ValueError`` (call :func:`delete_weights` first).
-    """
-    client = await _client(store_name)
-    mkey = _manifest_key(version, prefix)
-    if await _get_object_or_none(client, mkey) is not None:
-        raise ValueError(f"weights {weights_key(version, prefix)} already pushed; delete_weights() first")
-    base = weights_key(version, prefix)
-    names = list(state_dict)
-    if any(n == _MANIFEST for n in names):
-        raise ValueError(f"parameter name {_MANIFEST!r} is reserved")
-
-    async def put_one(name: str):
-        t = _prepare(state_dict[name], dtype)
-        await client.put(f"{base}/{name}", t)
-        return tuple(t.shape), t.dtype, t.numel() * t.element_size()
-
-    metas = await _bounded_gather(put_one, names)
-    nbytes = sum(m[2] for m in metas)
-    manifest = {
-        "version": int(version),
-        "names": names,
-        "shapes": [m[0] for m in metas],
-        "dtypes": [m[1] for m in metas],
-        "nbytes": nbytes,
-    }
-    await client.put(mkey, manifest)
-    current = await _get_object_or_none(client, _latest_key(prefix))
-    if current is None or int(version) > current:
-        await client.put(_latest_key(prefix), int(version))
-    return nbytes
+    """Store ``state_dict`` (one process holding every tensor) as ``version``; return the bytes pushed (after
+    the cast). Floating-point tensors are cast to ``dtype`` if given. Pushing a version that is already complete
+    raises ``ValueError`` (call :func:`delete_weights` first). Trainer ranks holding shards call
+    :func:`put_rank` each, then one of them :func:`finish_version`."""
+    await put_rank(state_dict, version, dtype=dtype, store_name=store_name, prefix=prefix)
+    return await finish_version(version, 1, store_name=store_name, prefix=prefix)
 
 
 async def pull_weights(
     version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX
 ) -> dict[str, torch.Tensor]:
-    """Fetch exactly ``version`` as ``{name: CPU tensor}`` (in the pushed order and dtype).
+    """Fetch exactly ``version`` as whole ``{name: CPU tensor}`` (in the pushed order and dtype), put together
+    from every trainer rank's chunks.
 
     Raises :class:`WeightVersionNotFound` at once if that version was never (fully) pushed or was
     deleted, including while this pull was running. Never returns another version's tensors.
@@ -237,24 +273,32 @@ async def pull_weights(
             f"latest complete version: {latest}"
         )
     assert manifest["version"] == int(version), (manifest["version"], version)
+    wanted = [(t.rank, i, size) for t in manifest["tables"] for i, size in enumerate(t.chunk_sizes)]
 
-    async def get_one(i: int):
-        name = manifest["names"][i]
+    async def get_one(item: tuple[int, int, int]) -> torch.Tensor:
+        rank, i, size = item
         try:
-            t = await client.get(f"{base}/{name}")
+            chunk = await client.get(_chunk_key(base, rank, i))
         except KeyError as e:
             if _is_missing_key_error(e):
                 raise WeightVersionNotFound(f"weights {base} were deleted while being pulled") from e
             raise
-        if tuple(t.shape) != tuple(manifest["shapes"][i]) or t.dtype != manifest["dtypes"][i]:
-            raise RuntimeError(
-                f"{base}/{name}: got {tuple(t.shape)} {t.dtype}, manifest says "
-                f"{tuple(manifest['shapes'][i])} {manifest['dtypes'][i]}"
-            )
-        return t
+        if chunk.numel() != size or chunk.dtype != torch.uint8:
+            raise RuntimeError(f"{_chunk_key(base, rank, i)}: got {chunk.numel()} {chunk.dtype}, expected {size} bytes")
+        return chunk
 
-    tensors = await _bounded_gather(get_one, range(len(manifest["names"])))
-    return dict(zip(manifest["names"], tensors, strict=True))
+    chunks = await _bounded_gather(get_one, wanted)
+    return assemble(manifest["tables"], {(rank, i): c for (rank, i, _), c in zip(wanted, chunks, strict=True)})
+
+
+async def version_tables(version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> list:
+    """Every trainer rank's `shards.RankTable` of ``version`` (what each rank published), or raise
+    WeightVersionNotFound."""
+    client = await _client(store_name)
+    manifest = await _get_object_or_none(client, _manifest_key(version, prefix))
+    if manifest is None:
+        raise WeightVersionNotFound(f"weights {weights_key(version, prefix)} not in store {store_name!r}")
+    return manifest["tables"]
 
 
 async def latest_version(store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> int | None:
@@ -276,9 +320,9 @@ async def list_versions(store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_P
 
 
 async def delete_weights(version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> None:
-    """Free ``version``'s tensors (no-op if it is not there).
+    """Free ``version``'s chunks (no-op if it is not there).
 
-    The manifest goes first, so new pulls of ``version`` fail cleanly while tensors are being
+    The manifest goes first, so new pulls of ``version`` fail cleanly while chunks are being
     removed; a pull already past the manifest fails with WeightVersionNotFound. The "latest"
     marker is not changed: do not delete the version generators are about to pull.
     """
@@ -289,12 +333,14 @@ async def delete_weights(version: int, *, store_name: str = DEFAULT_STORE, prefi
         return
     await client.delete(mkey)
     base = weights_key(version, prefix)
+    keys = [_table_key(base, t.rank) for t in manifest["tables"]]
+    keys += [_chunk_key(base, t.rank, i) for t in manifest["tables"] for i in range(len(t.chunk_sizes))]
 
-    async def del_one(name: str):
+    async def del_one(key: str):
         try:
-            await client.delete(f"{base}/{name}")
+            await client.delete(key)
         except Exception as e:  # already gone (concurrent delete): fine
             if not _is_missing_key_error(e):
                 raise
 
-    await _bounded_gather(del_one, manifest["names"])
+    await _bounded_gather(del_one, keys)

@@ -47,8 +47,9 @@ def _set_env_defaults() -> None:
 # The env defaults must be in place before torchstore is first imported (point 3).
 _set_env_defaults()
 
-from monarch.actor import endpoint  # noqa: E402
+from monarch.actor import current_rank, endpoint  # noqa: E402
 from torchstore.controller import Controller as _TSController  # noqa: E402
+from torchstore.strategy import TorchStoreStrategy  # noqa: E402
 
 
 def _orig(name: str):
@@ -78,6 +79,24 @@ class CompatController(_TSController):
     @endpoint
     async def notify_delete(self, key: str, storage_volume_id: str) -> None:
         return _orig("notify_delete")(self, key, storage_volume_id)
+
+
+class RankVolumes(TorchStoreStrategy):
+    """One storage volume per trainer rank: a process puts into volume RANK % num_volumes (RANK as
+    torch.distributed sets it; 0 where unset), so the ranks' chunks land in parallel, in different processes.
+    Gets find any key through torchstore's controller, whichever volume holds it. (torchstore's LocalRankStrategy
+    keys on LOCAL_RANK, which is the same on every host and is not set in every process.)"""
+
+    def __init__(self, num_volumes: int) -> None:
+        super().__init__()
+        self.num_volumes = num_volumes
+
+    @classmethod
+    def get_volume_id(cls) -> str:
+        return str(current_rank().rank)  # called in each volume process as it starts: its rank in the volume mesh
+
+    def get_client_id(self) -> str:
+        return str(int(os.environ.get("RANK", "0")) % self.num_volumes)
 
 
 def _all_endpoints_async(cls) -> bool:

@@ -1,9 +1,9 @@
 """Which weight-sync transport a run uses (`GeneratorConfig.weight_sync`); the transports themselves are the
 publisher / subscriber pairs of `pubsub.py`. No Monarch in here: the controller calls these with plain data.
 
-- 'torchstore': trainer rank 0 puts the full weights (cast to the generator dtype) into torchstore's storage
-  process and every generator gets them from there (`store.py`). Works whatever the placement; the weights
-  travel through host memory twice.
+- 'torchstore': every trainer rank puts its own shards (cast to the generator dtype) into torchstore's storage
+  volume beside it, and every generator gets all of them and puts whole tensors together (`store.py`,
+  `shards.py`). Works whatever the placement; no rank gathers the model; the weights travel through host memory.
 - 'cuda_ipc': generators on trainer rank 0's GPU (the colocated layout). Rank 0 copies the weights into one
   persistent flat buffer on that GPU; generators copy out of it through a CUDA IPC handle sent to them once
   (`cuda_ipc.py`). No host round trip.
@@ -65,7 +65,7 @@ def describe_transport(transport: str, trainer: str, generators: Sequence[str]) 
     where = {
         "cuda_ipc": f"trainer rank 0 and {len(generators)} generator(s) share {trainer}",
         "shm": f"CPU trainer and {len(generators)} generator(s) share host memory on {_host(trainer)}",
-        "torchstore": f"trainer rank 0 on {trainer}, generators on {sorted(set(generators))}",
+        "torchstore": f"trainer ranks from {trainer} on, generators on {sorted(set(generators))}",
     }[transport]
     return f"weight sync: {transport} ({where})"
 
