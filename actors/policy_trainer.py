@@ -119,11 +119,12 @@ class PolicyTrainer(Actor):
         return self._policy().optim_step(params)
 
     @endpoint
-    async def set_weight_sync(self, transport: str, store_name: str = DEFAULT_STORE) -> None:
-        """'torchstore', 'cuda_ipc' or 'shm' (resolved by the controller, meshrl.weight_sync.transport)."""
+    async def set_weight_sync(self, transport: str, store_name: str = DEFAULT_STORE, gather: bool = False) -> None:
+        """'torchstore', 'cuda_ipc' or 'shm' (resolved by the controller, meshrl.weight_sync.transport). `gather`:
+        over torchstore, gather whole tensors to rank 0 instead of each rank publishing its shards (a baseline)."""
         if self.publisher is not None:
             self.publisher.close()
-        self.publisher = make_publisher(transport, store_name)
+        self.publisher = make_publisher(transport, store_name, gather)
 
     @endpoint
     async def push_weights(self, version: int, dtype: str = "float32", store_name: str | None = None) -> int:

@@ -10,6 +10,8 @@
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
 #   bash bench/gpu_run.sh onegpu [args]      # the torch 2.11 stack: bench/one_gpu_memory.py (token budgets, packing,
 #                                            # memory hand-off vs fixed micro-batches)
+#   bash bench/gpu_run.sh sync [args]        # the torch 2.11 stack: bench/weight_sync_ranks.py --gpu (torchstore,
+#                                            # sharded and gathered, beside CUDA IPC; 0.6B shape)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
 #   bash bench/gpu_run.sh vllm               # (carries .chunks/vllm.23) HFEngine vs generate vs vLLM 0.33 and
 #                                            # vLLM's CUDA-IPC weight load, one run ('vllm-ipc': the load check
@@ -17,7 +19,7 @@
 #
 # Everything lands under $OUT (JSON from the scripts, logs).
 set -uo pipefail
-stage=${1:?stage: piece NAME | titan [configs] | torch211 | onegpu [args] | vllm}
+stage=${1:?stage: piece NAME | titan [configs] | torch211 | onegpu [args] | sync [args] | vllm}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
@@ -60,6 +62,12 @@ onegpu)
   export PYTHONPATH=/tmp/site211:$PWD/src
   cd bench && timeout "${ONEGPU_TIMEOUT:-560}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory.log"
+  ;;
+sync)
+  [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site211:$PWD/src
+  cd bench && timeout "${SYNC_TIMEOUT:-540}" python3 weight_sync_ranks.py --gpu "${@:2}" 2>&1 \
+    | grep -v -E "Warning|warnings.warn|Loading weights" | tail -40 | tee "$OUT/weight_sync_ranks_gpu.log"
   ;;
 vllm|vllm-ipc)
   if [ ! -d /tmp/site/vllm ]; then

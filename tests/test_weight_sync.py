@@ -7,6 +7,7 @@ The controller (this pytest process) owns the store; rank 0 of the mesh plays th
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -161,12 +162,22 @@ def test_missing_version_raises_fast(ranks):
         asyncio.run(asyncio.wait_for(pull_weights(777, store_name=STORE, prefix="nothing-here"), T))
 
 
+def _shm_files() -> int:
+    """Chunks the storage volume holds in /dev/shm (meshrl.weight_sync.shm_transport: one file per chunk)."""
+    from meshrl.weight_sync.cuda_ipc import _shm_dir
+
+    return len([n for n in os.listdir(_shm_dir()) if n.startswith("meshrl-wsync-") and "-ts-" in n])
+
+
 def test_delete(ranks):
     trainer, generator = ranks
+    files = _shm_files()
     trainer.push.call_one(5, 1, None, "del").get(timeout=T)
     trainer.push.call_one(6, 2, None, "del").get(timeout=T)
+    assert _shm_files() == files + 2  # one chunk each, through shared memory between the processes
     trainer.delete.call_one(1, "del").get(timeout=T)
     trainer.delete.call_one(1, "del").get(timeout=T)  # idempotent
+    assert _shm_files() == files + 1  # a deleted version's files go with it
     assert generator.versions.call_one("del").get(timeout=T) == [2]
     err, _ = generator.pull_error.call_one(1, "del").get(timeout=T)
     assert err == WeightVersionNotFound.__name__

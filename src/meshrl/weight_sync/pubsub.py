@@ -61,8 +61,9 @@ class StorePublisher:
 
     transport = "torchstore"
 
-    def __init__(self, store_name: str = DEFAULT_STORE) -> None:
+    def __init__(self, store_name: str = DEFAULT_STORE, gather: bool = False) -> None:
         self.store_name = store_name
+        self.gather = gather  # gather whole tensors to rank 0 anyway (the benchmarks' baseline)
         self._buffers: list[torch.Tensor] | None = None
         self.gathered = False  # whether the last publish needed whole tensors (rank 0 published them alone)
 
@@ -71,7 +72,7 @@ class StorePublisher:
 
         from meshrl.weight_sync.store import finish_version, put_rank
 
-        shards, num_ranks = policy.weight_shards(), policy.world_size
+        shards, num_ranks = (None if self.gather else policy.weight_shards()), policy.world_size
         self.gathered = shards is None
         if shards is None:  # the same on every rank: they run the same code on the same model
             whole = policy.hf_state_dict(dtype)  # collective: every rank takes part
@@ -124,9 +125,9 @@ class SharedBufferPublisher:
             self._handle = None
 
 
-def make_publisher(transport: str, store_name: str = DEFAULT_STORE) -> WeightPublisher:
+def make_publisher(transport: str, store_name: str = DEFAULT_STORE, gather: bool = False) -> WeightPublisher:
     if transport == "torchstore":
-        return StorePublisher(store_name)
+        return StorePublisher(store_name, gather)
     if transport in SHARED_BUFFER_TRANSPORTS:
         return SharedBufferPublisher(transport)
     raise ValueError(f"weight transport {transport!r}; use 'torchstore', 'cuda_ipc' or 'shm'")

@@ -25,6 +25,11 @@ monarch 0.7.0. Three things need fixing, all done by :func:`apply_torchstore_com
    limit to ~900 GB. We set the variable first to monarch 0.7.0's own default (10 GiB, ample for a
    single tensor) so the import changes nothing.
 
+4. **Shared memory on one host** (not a fix; a faster path): between a client and a storage volume that share
+   /dev/shm, tensors travel as files there instead of inside Monarch messages (`shm_transport.py`, which says
+   why and by how much). A volume elsewhere falls back to messages by itself. ``MESHRL_TORCHSTORE_SHM=0`` turns
+   it off (the benchmarks' baseline).
+
 Everything is idempotent: applying twice in a process is a no-op.
 """
 
@@ -127,7 +132,44 @@ def apply_torchstore_compat() -> None:
         # rather than with monarch's spawn error deep inside torchstore.initialize().
         assert _all_endpoints_async(CompatController), "torchstore Controller has unpatched sync endpoints"
         torchstore.api.Controller = CompatController
+        _use_shared_memory_on_one_host()
         _applied = True
+
+
+_shm_puts = True  # this process still tries shared memory for its puts (a volume elsewhere turns it off)
+
+
+def _use_shared_memory_on_one_host() -> None:
+    """Point 4: tensors between a client and a volume on one host go through /dev/shm (`shm_transport.py`) instead
+    of inside Monarch messages; RDMA, where enabled, keeps precedence. MESHRL_TORCHSTORE_SHM=0 turns it off."""
+    if os.environ.get("MESHRL_TORCHSTORE_SHM", "1") == "0":
+        return
+    from torchstore.transport import pipe as ts_pipe
+
+    from meshrl.weight_sync.shm_transport import ShmTransportBuffer
+
+    monarch_buffer = ts_pipe.Pipe.create_transport_buffer
+    put = ts_pipe.Pipe.put_to_storage_volume
+
+    def create_transport_buffer(self):
+        if ts_pipe.rdma_available() or not _shm_puts and getattr(self, "_meshrl_put", False):
+            return monarch_buffer(self)
+        return ShmTransportBuffer()
+
+    async def put_to_storage_volume(self, key, request):
+        global _shm_puts
+        self._meshrl_put = True
+        if _shm_puts and not ts_pipe.rdma_available():
+            try:
+                return await put(self, key, request)
+            except Exception as e:  # noqa: BLE001 - the volume's refusal arrives wrapped in an actor error
+                if "ShmUnreachable" not in f"{type(e).__name__} {e}" and not isinstance(e, OSError):
+                    raise
+                _shm_puts = False  # a volume elsewhere, or /dev/shm full: messages from now on
+        return await put(self, key, request)
+
+    ts_pipe.Pipe.create_transport_buffer = create_transport_buffer
+    ts_pipe.Pipe.put_to_storage_volume = put_to_storage_volume
 
 
 def is_applied() -> bool:
