@@ -144,7 +144,10 @@ class StoreSubscriber:
     async def load(self, engine: Engine, version: int) -> int:
         from meshrl.weight_sync.store import pull_weights
 
-        engine.load_weights(await pull_weights(version, store_name=self.store_name))
+        # An engine that loads in this process takes tensors already on its GPU (one copy per chunk); vLLM's
+        # workers load in their own processes, so they get host tensors.
+        device = None if engine.loads_in_workers else engine.device
+        engine.load_weights(await pull_weights(version, store_name=self.store_name, device=device))
         return version
 
     def close(self) -> None:

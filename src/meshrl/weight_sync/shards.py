@@ -10,8 +10,9 @@ layout (tensor-parallel engines take their slices there).
 Why chunks of ~16 MiB and not torchstore's per-tensor put (DTensor-aware, one key per tensor and rank): each put
 or get is two controller RPCs plus a payload message, and with ~300 tensors of very uneven size that per-message
 cost dominates; one 256 MiB message, on the other hand, moves at a fraction of the rate of many mid-sized ones
-in flight together. Measured on this 2-core CPU (`bench/weight_sync_ranks.py`, NOTES.md): 16 MiB chunks with 16
-in flight moved 0.7-1.0 GiB/s each way, against 0.1-0.2 GiB/s for one 256 MiB tensor.
+in flight together. Measured on this 2-core CPU, 256 MiB through torchstore's messages: 16 MiB chunks with 16 in
+flight moved 0.7-1.0 GiB/s each way, one 256 MiB tensor 0.1-0.2 GiB/s. (On one host the chunks go through /dev/shm
+instead, `shm_transport.py`; the chunking still sets how many puts and gets there are.)
 
 No Monarch or torchstore in here.
 """
@@ -142,10 +143,18 @@ def _chunk_buffers(sizes: list[int], buffers: list[torch.Tensor] | None, pinned:
     return [torch.empty(n, dtype=torch.uint8, pin_memory=pinned) for n in sizes]
 
 
-def assemble(tables: list[RankTable], chunks: dict[tuple[int, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+def assemble(
+    tables: list[RankTable], chunks: dict[tuple[int, int], torch.Tensor], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """Whole tensors from every rank's table and chunks (`chunks[(rank, i)]`), in the first table's order. A tensor
     that one piece holds whole is a view of its chunk (no copy); the others are put together from their pieces.
+    `device`: a GPU to put them together on: each chunk goes over in one copy, instead of ~300 tensor-sized ones
+    from host memory afterwards (the chunks take the model's size in device memory until the load is done).
     Raises if the pieces do not cover a tensor exactly (a rank missing, or two ranks publishing the same block)."""
+    if device is not None and torch.device(device).type == "cuda":
+        chunks = {k: c.to(device, non_blocking=True) for k, c in chunks.items()}
+    else:
+        device = None
     first = tables[0]
     dtype_of = dict(zip(first.names, first.dtypes, strict=True))
     shape_of = dict(zip(first.names, first.shapes, strict=True))
@@ -167,7 +176,7 @@ def assemble(tables: list[RankTable], chunks: dict[tuple[int, int], torch.Tensor
         if len(parts) == 1:
             out[name] = parts[0][1]
             continue
-        whole = torch.empty(shape, dtype=dtype_of[name])
+        whole = torch.empty(shape, dtype=dtype_of[name], device=device)
         for piece, part in parts:
             whole[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.shape, strict=True))].copy_(part)
         out[name] = whole

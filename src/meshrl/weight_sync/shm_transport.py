@@ -1,8 +1,8 @@
 """A torchstore transport buffer through shared memory, for a client and a storage volume on one host.
 
 torchstore 0.1.2 moves a tensor either over RDMA (not on these machines) or pickled inside a Monarch message. The
-message path costs copies and a socket transfer per byte: a 0.6B sync (1.19 GB in bf16) took 2.3-3.1 s on the H100
-host that way, 1.1-1.2 s through this buffer (`bench/weight_sync_ranks.py --gpu`, NOTES.md). On one host the
+message path costs copies and a socket transfer per byte: a 0.6B sync (1.19 GB in bf16) took 2.0-2.1 s on the H100
+host that way, 0.73-0.75 s through this buffer (`bench/weight_sync_ranks.py --gpu`, NOTES.md). On one host the
 bytes need not travel at all:
 
 - put: the client writes the tensor into a new file in /dev/shm and sends its name; the volume maps the file and
@@ -60,7 +60,7 @@ def _new_path() -> str:
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
     """The file's bytes as a tensor over a shared mapping (no copy). Mapping all pages up front (MAP_POPULATE)
-    was tried for gets and measured no faster on the H100 host (pull 0.95 s against 0.62-0.86 s)."""
+    was tried for gets and measured no faster on the H100 host (NOTES.md)."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)

@@ -258,10 +258,10 @@ async def push_weights(
 
 
 async def pull_weights(
-    version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX
+    version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX, device: Any = None
 ) -> dict[str, torch.Tensor]:
-    """Fetch exactly ``version`` as whole ``{name: CPU tensor}`` (in the pushed order and dtype), put together
-    from every trainer rank's chunks.
+    """Fetch exactly ``version`` as whole ``{name: tensor}`` (in the pushed order and dtype), put together from
+    every trainer rank's chunks: on the CPU, or on ``device`` when it is a GPU (`shards.assemble`).
 
     Raises :class:`WeightVersionNotFound` at once if that version was never (fully) pushed or was
     deleted, including while this pull was running. Never returns another version's tensors.
@@ -291,7 +291,8 @@ async def pull_weights(
         return chunk
 
     chunks = await _bounded_gather(get_one, wanted)
-    return assemble(manifest["tables"], {(rank, i): c for (rank, i, _), c in zip(wanted, chunks, strict=True)})
+    by_key = {(rank, i): c for (rank, i, _), c in zip(wanted, chunks, strict=True)}
+    return assemble(manifest["tables"], by_key, device)
 
 
 async def version_tables(version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> list:
