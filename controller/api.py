@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -523,8 +524,8 @@ class Controller:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        # After a process died, do not wait long on a mesh that cannot answer.
-        timeout = 10 if self.failures else 60
+        # After a process died (or its host was lost), do not wait long on a mesh that cannot answer.
+        timeout = 10 if self.failures or self.provision.lost else 60
         if self.generators is not None:
             try:
                 asyncio.run(asyncio.wait_for(shutdown_weight_store(self.store_name), timeout))
@@ -543,9 +544,10 @@ class Controller:
             if group is consumer_procs:
                 for pool in (self.generators, self.reward):
                     stopping += pool.stop() if pool is not None else []
+            deadline = time.monotonic() + timeout  # one wait for the group: meshes on a dead host all time out
             for fut in stopping:
                 try:
-                    fut.get(timeout=timeout)
+                    fut.get(timeout=max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001
                     pass
         if self.weights is not None:

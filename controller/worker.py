@@ -1,7 +1,14 @@
-"""A Monarch worker: one per host of a multi-host run. It waits for a controller started with `--placement hosts
---placement.workers ...` to attach and spawn the run's processes here, and serves until its host is shut down.
+"""A Monarch worker: one per host of a multi-host run, running Monarch's worker loop. It waits for a controller to
+attach and spawn the run's processes here, and serves until its host is shut down:
 
-    python -m meshrl.controller.worker --address tcp://0.0.0.0:26600     # on each node (by hand, srun, a pod)
+- `--placement hosts --placement.workers tcp://HOST:PORT,...` attaches to workers started by hand or by `srun`;
+- `--placement k8s` without --placement.k8s-image attaches to pods already running: this is their command, at
+  the pod's IP and the port Monarch looks for (26600, or the container's MONARCH_PORT).
+
+    python -m meshrl.controller.worker --address tcp://$(hostname):26600     # on each node
+    python -m meshrl.controller.worker --address tcp://$(POD_IP):26600       # a pod (POD_IP: status.podIP)
+
+(`--placement slurm` and `--placement process` start Monarch's own worker on each host: nothing to start there.)
 """
 
 from __future__ import annotations
