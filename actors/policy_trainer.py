@@ -8,7 +8,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.placement import pin_process
+from meshrl.placement import machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity
@@ -19,7 +19,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class PolicyTrainer(Actor):
     def __init__(self, model_dir: str, model_cfg, trainer_cfg, pad_id: int = 0) -> None:
-        pin_process(trainer_cfg.devices, current_rank().rank)  # before CUDA starts in this process
+        # Before CUDA starts in this process. `devices` are GPUs of each host: index them by the rank on this host.
+        here = current_rank()
+        pin_process(trainer_cfg.devices, here["procs"] if "procs" in here.keys() else here.rank)
         torch.set_num_threads(trainer_cfg.num_threads)
         self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id = (
             model_dir,
@@ -67,6 +69,7 @@ class PolicyTrainer(Actor):
             "policy_version": p.policy_version,
             "max_seq_len": p.max_seq_len,
             "pid": os.getpid(),
+            "machine": machine_identity(),  # whose pid this is (the controller kills only its own machine's)
             "device_identity": device_identity(p.device),
             # this rank's peak device memory since the trainer started (None on CPU)
             "peak_memory_gib": (torch.cuda.max_memory_allocated(p.device) / 2**30 if p.device.type == "cuda" else None),

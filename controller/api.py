@@ -25,6 +25,7 @@ from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F
 from meshrl.controller.provision import Provisioner
 from meshrl.controller.replicas import ReplicaPool, RestartBudget, WatchedMesh
 from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
+from meshrl.placement import machine_identity
 from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
     Completion,
@@ -121,6 +122,7 @@ class Controller:
         # Models and engines build in parallel; a program without generation (SFT on files) spawns no generator,
         # one without training (evaluation of a checkpoint) no trainer: its generators load `model_dir` as it is.
         self._procs, self.trainer, trainer_ready = [], None, None
+        self._trainer_elsewhere = False  # a trainer rank on another machine (its pid is not ours to kill)
         # Generator and reward processes are replaced when they die or freeze, within one run-wide budget.
         self.restarts = RestartBudget(max_restarts)
         pool_kw = dict(budget=self.restarts, timeout_s=call_timeout_s, heartbeat_s=heartbeat_s)
@@ -176,6 +178,7 @@ class Controller:
         if trainer_ready is not None:
             infos = trainer_ready.result()
             self.trainer_info, self.trainer_pids = infos[0], [i["pid"] for i in infos]
+            self._trainer_elsewhere = any(i.get("machine") != machine_identity() for i in infos)
         if generator_cfg is not None:
             self.generator_info = self.generators.start()
             if self.trainer is not None:
@@ -192,6 +195,10 @@ class Controller:
         import signal
 
         self.failures.append("trainer frozen")
+        if self._trainer_elsewhere:
+            # Its pids are another machine's: Monarch's host agents there stop the processes (not waited on).
+            self._procs[0].stop()
+            return
         for pid in self.trainer_pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -552,6 +559,7 @@ class Controller:
                     pass
         if self.weights is not None:
             self.weights.after_shutdown()
+        self.provision.shutdown()  # a job the run started ends with it (also at exit, for a Controller left open)
 
     def __enter__(self) -> Controller:
         return self

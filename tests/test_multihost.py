@@ -130,18 +130,11 @@ def straight(out, workers):
     return _records(out / "a")
 
 
-def test_grpo_over_two_worker_hosts_with_parity_and_exact_resume(out, workers, straight):
+def test_grpo_over_two_worker_hosts_with_parity(straight):
+    """Exact resume across hosts is checked by the next test, whose run is resumed on fresh workers."""
     rl = [r for r in straight if r["phase"] == "rl"]
     # Trainer and generator on different hosts compute the same logprobs after every sync.
     assert len(rl) == 4 and all(r["logprob_diff_max"] < 1e-4 for r in rl), [r["logprob_diff_max"] for r in rl]
-
-    addresses = workers[1]
-    stopped = _run(out, "b", addresses, "--run.stop-at-step", "2")
-    assert stopped.returncode == 0 and "stopped at step 2" in stopped.stdout, stopped.stderr[-3000:]
-    resumed = _run(out, "b", addresses, "--run.resume", "latest")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert re.search(r"resumed from .*step_00000002 at step 2", resumed.stdout), resumed.stdout[-3000:]
-    assert _records(out / "b") == straight  # bitwise, across hosts
 
 
 def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishes_it(out, straight):

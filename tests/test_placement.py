@@ -60,3 +60,17 @@ def test_cli_places_trainer_and_generator_apart():
               "--generator.devices", "1"],
     )  # fmt: skip
     assert device_of(cfg.trainer.devices, 0) != device_of(cfg.generator.devices, 0)
+
+
+def test_machine_identity_is_shared_by_the_processes_of_this_machine():
+    """The controller kills a frozen trainer's pids only when they are its own machine's (machine_identity)."""
+    import subprocess
+    import sys
+
+    from meshrl.placement import machine_identity
+
+    out = subprocess.run(
+        [sys.executable, "-c", "from meshrl.placement import machine_identity; print(machine_identity())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == machine_identity() and machine_identity().count("/") == 2

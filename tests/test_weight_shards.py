@@ -29,7 +29,10 @@ def _whole() -> dict[str, torch.Tensor]:
     }
 
 
-def _rank_main(rank: int, port: int, chunk_bytes: int, out) -> None:
+CHUNK_SIZES = (16 * 2**20, 32)  # one chunk for everything; 32-byte chunks that split tensors over many
+
+
+def _rank_main(rank: int, port: int, out) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -39,15 +42,17 @@ def _rank_main(rank: int, port: int, chunk_bytes: int, out) -> None:
     whole = _whole()
     placements = {"embed": Shard(0), "wide": Shard(1), "one_row": Shard(0), "norm": Replicate()}
     sd = {k: distribute_tensor(v, mesh, [placements[k]]) if k in placements else v for k, v in whole.items()}
-    table, chunks = pack(sd, rank, torch.bfloat16, chunk_bytes)
+    packed = {n: pack(sd, rank, torch.bfloat16, n) for n in CHUNK_SIZES}
     buf = io.BytesIO()  # bytes, not tensors: a tensor through a queue is shared memory that dies with this process
-    torch.save((rank, table, chunks), buf)
+    torch.save((rank, packed), buf)
     out.put(buf.getvalue())
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _two_ranks(chunk_bytes: int):
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[int, list]:
+    """{chunk size: [(rank, table, chunks) of rank 0, of rank 1]}, packed by two real gloo ranks."""
     import socket
 
     with socket.socket() as s:
@@ -55,24 +60,24 @@ def _two_ranks(chunk_bytes: int):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, chunk_bytes, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     received = [torch.load(io.BytesIO(out.get(timeout=120)), weights_only=False) for _ in procs]
-    results = sorted(received, key=lambda r: r[0])
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return results
+    received.sort(key=lambda r: r[0])
+    return {n: [(rank, *packed[n]) for rank, packed in received] for n in CHUNK_SIZES}
 
 
 def _expected() -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _whole().items()}
 
 
-@pytest.mark.parametrize("chunk_bytes", [16 * 2**20, 32])
-def test_two_ranks_pieces_put_back_together_equal_the_whole(chunk_bytes):
-    results = _two_ranks(chunk_bytes)
+@pytest.mark.parametrize("chunk_bytes", CHUNK_SIZES)
+def test_two_ranks_pieces_put_back_together_equal_the_whole(two_ranks, chunk_bytes):
+    results = two_ranks[chunk_bytes]
     tables = [t for _, t, _ in results]
     chunks = {(rank, i): c for rank, _, cs in results for i, c in enumerate(cs)}
     got = assemble(tables, chunks)
@@ -90,8 +95,8 @@ def test_two_ranks_pieces_put_back_together_equal_the_whole(chunk_bytes):
         assert sum(p.name == "embed" for p in tables[0].pieces) > 1
 
 
-def test_a_missing_rank_is_an_error_not_a_partial_tensor():
-    results = _two_ranks(16 * 2**20)
+def test_a_missing_rank_is_an_error_not_a_partial_tensor(two_ranks):
+    results = two_ranks[CHUNK_SIZES[0]]
     rank0, table0, chunks0 = results[0]
     with pytest.raises(ValueError, match="embed: the ranks' pieces hold 24 of its 42"):
         assemble([table0], {(rank0, i): c for i, c in enumerate(chunks0)})
@@ -130,3 +135,32 @@ def test_controller_sync_publishes_from_every_trainer_rank(ctl):
     # FSDP2 halves every weight: no rank holds much more than half
     total = sum(t.nbytes for t in tables)
     assert max(t.nbytes for t in tables) < 0.6 * total
+
+
+def test_engine_loads_blocks_straight_into_its_weights(base_model_dir):
+    """The transformers engine copies each tensor's blocks into the slices they cover (no whole tensor first): two
+    "ranks" holding the first and second half of every weight's rows (FSDP2's Shard(0)), and every weight changed."""
+    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.weight_sync.shards import whole_tensors
+
+    engine = HFEngine(base_model_dir, max_model_len=32, max_num_seqs=2)
+    try:
+        g = torch.Generator().manual_seed(1)
+        seen, new = set(), {}
+        for k, v in engine.runner.params.items():  # tied weights (embedding and head) once, as the trainer sends
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                new[k] = torch.randn(v.shape, generator=g).to(v.dtype)
+        pieces = {}
+        for k, v in new.items():
+            cut = (v.shape[0] + 1) // 2
+            zeros = (0,) * (v.dim() - 1)
+            pieces[k] = (tuple(v.shape), v.dtype, [((0, *zeros), v[:cut]), ((cut, *zeros), v[cut:])])
+        before = {k: t.detach().clone() for k, t in engine.runner.params.items()}
+        engine.load_weight_pieces(pieces)
+        for k, v in new.items():
+            assert torch.equal(engine.runner.params[k].detach(), v), k
+            assert not torch.equal(before[k], v), k
+        assert all(torch.equal(t, new[k]) for k, t in whole_tensors(pieces).items())
+    finally:
+        engine.shutdown()

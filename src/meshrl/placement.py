@@ -17,6 +17,19 @@ import os
 from collections.abc import Sequence
 
 
+def machine_identity() -> str:
+    """Equal in two processes exactly when they share a kernel and /dev/shm (one machine, one container): the
+    boot id and the /dev/shm mount. A pid means something only to a process with the same identity."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    st = os.stat(shm)
+    return f"{boot}/{st.st_dev}/{st.st_ino}"
+
+
 def device_of(devices: Sequence[int] | None, rank: int) -> int | None:
     """The GPU index of process `rank` of a role: `devices[rank % len(devices)]` (replicas may share a GPU when
     there are more of them than devices); None when unset."""

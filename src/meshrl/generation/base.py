@@ -74,6 +74,11 @@ class Engine(Protocol):
         """Replace the weights in place with HF-named tensors (cast to the engine dtype); resets prefix caches."""
         ...
 
+    def load_weight_pieces(self, pieces: Mapping[str, Any]) -> None:
+        """`load_weights` from each tensor's blocks as the trainer ranks published them
+        (`meshrl.weight_sync.shards.WeightPieces`: name -> (shape, dtype, [(offsets, block), ...]))."""
+        ...
+
     def load_weights_ipc(self, handle: Any, version: int | None = None) -> int:
         """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`
         handle); returns the version loaded. The handle is opened once and kept."""

@@ -340,6 +340,12 @@ class VLLMEngine:
         self._weights_discarded = False
         self.llm.reset_prefix_cache()
 
+    def load_weight_pieces(self, pieces) -> None:
+        """vLLM's workers take whole tensors: the blocks are put together here first."""
+        from meshrl.weight_sync.shards import whole_tensors
+
+        self.load_weights(whole_tensors(pieces))
+
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
         """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.cuda_ipc`; on CPU its
         /dev/shm backing): each worker opens `handle` once and copies GPU to GPU, with no trip through host

@@ -142,12 +142,12 @@ class StoreSubscriber:
         self.store_name = store_name
 
     async def load(self, engine: Engine, version: int) -> int:
-        from meshrl.weight_sync.store import pull_weights
+        from meshrl.weight_sync.store import pull_weight_pieces
 
-        # An engine that loads in this process takes tensors already on its GPU (one copy per chunk); vLLM's
+        # An engine that loads in this process takes blocks already on its GPU (one copy per chunk); vLLM's
         # workers load in their own processes, so they get host tensors.
         device = None if engine.loads_in_workers else engine.device
-        engine.load_weights(await pull_weights(version, store_name=self.store_name, device=device))
+        engine.load_weight_pieces(await pull_weight_pieces(version, store_name=self.store_name, device=device))
         return version
 
     def close(self) -> None:

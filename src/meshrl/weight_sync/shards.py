@@ -4,8 +4,9 @@ Each trainer rank publishes only what it holds: for a DTensor (FSDP2's Shard(0),
 shard, with where that shard sits in the whole tensor; a replicated tensor once, from coordinate 0 of its mesh. No
 rank gathers the model. A rank's shards are cast to the transfer dtype on their device and packed into a few flat
 byte chunks (`pack`), which travel through torchstore as plain tensors (`store.py`); the generator fetches every
-rank's chunks and builds whole tensors under the same names (`assemble`), which its engine then loads into its own
-layout (tensor-parallel engines take their slices there).
+rank's chunks and hands each tensor's blocks to its engine (`pieces_of`), which copies them straight into its own
+weights (the transformers engine) or puts whole tensors together first (`whole_tensors`; vLLM, whose loader then
+takes each worker's slices).
 
 Why chunks of ~16 MiB and not torchstore's per-tensor put (DTensor-aware, one key per tensor and rank): each put
 or get is two controller RPCs plus a payload message, and with ~300 tensors of very uneven size that per-message
@@ -143,22 +144,22 @@ def _chunk_buffers(sizes: list[int], buffers: list[torch.Tensor] | None, pinned:
     return [torch.empty(n, dtype=torch.uint8, pin_memory=pinned) for n in sizes]
 
 
-def assemble(
+WeightPieces = dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[tuple[int, ...], torch.Tensor]]]]
+"""{name: (whole shape, dtype, [(offsets, block), ...])}: the blocks cover the whole tensor exactly."""
+
+
+def pieces_of(
     tables: list[RankTable], chunks: dict[tuple[int, int], torch.Tensor], device: torch.device | None = None
-) -> dict[str, torch.Tensor]:
-    """Whole tensors from every rank's table and chunks (`chunks[(rank, i)]`), in the first table's order. A tensor
-    that one piece holds whole is a view of its chunk (no copy); the others are put together from their pieces.
-    `device`: a GPU to put them together on: each chunk goes over in one copy, instead of ~300 tensor-sized ones
-    from host memory afterwards (the chunks take the model's size in device memory until the load is done).
-    Raises if the pieces do not cover a tensor exactly (a rank missing, or two ranks publishing the same block)."""
+) -> WeightPieces:
+    """Every tensor's blocks from every rank's table and chunks (`chunks[(rank, i)]`), in the first table's order,
+    each a view of its chunk. `device`: a GPU to move the chunks to first, one copy per chunk (they then take the
+    model's size in device memory until loaded). Raises if the blocks do not cover a tensor exactly (a rank
+    missing, or two ranks publishing the same block)."""
     if device is not None and torch.device(device).type == "cuda":
         chunks = {k: c.to(device, non_blocking=True) for k, c in chunks.items()}
-    else:
-        device = None
     first = tables[0]
     dtype_of = dict(zip(first.names, first.dtypes, strict=True))
-    shape_of = dict(zip(first.names, first.shapes, strict=True))
-    pieces: dict[str, list[tuple[Piece, torch.Tensor]]] = {n: [] for n in first.names}
+    out: WeightPieces = {n: (shape, dtype_of[n], []) for n, shape in zip(first.names, first.shapes, strict=True)}
     for table in tables:
         if table.names != first.names or table.shapes != first.shapes:
             raise ValueError(f"rank {table.rank} published other tensors than rank {first.rank}")
@@ -166,21 +167,40 @@ def assemble(
             dtype = dtype_of[piece.name]
             nbytes = _numel(piece.shape) * dtype.itemsize
             raw = chunks[(table.rank, piece.chunk)][piece.start : piece.start + nbytes]
-            pieces[piece.name].append((piece, raw.view(dtype).view(piece.shape)))
-    out = {}
-    for name in first.names:
-        shape, parts = shape_of[name], pieces[name]
-        covered = sum(p.numel() for _, p in parts)
+            out[piece.name][2].append((piece.offsets, raw.view(dtype).view(piece.shape)))
+    for name, (shape, _, blocks) in out.items():
+        covered = sum(b.numel() for _, b in blocks)
         if covered != _numel(shape):
             raise ValueError(f"{name}: the ranks' pieces hold {covered} of its {_numel(shape)} elements")
-        if len(parts) == 1:
-            out[name] = parts[0][1]
+    return out
+
+
+def block_slices(offsets: tuple[int, ...], block: torch.Tensor) -> tuple[slice, ...]:
+    """Where `block` sits in its whole tensor, as an index."""
+    return tuple(slice(o, o + n) for o, n in zip(offsets, block.shape, strict=True))
+
+
+def whole_tensors(pieces: WeightPieces) -> dict[str, torch.Tensor]:
+    """Whole tensors from their blocks: a tensor that one block holds whole is that block (no copy); the others
+    are copied together (on the blocks' device)."""
+    out = {}
+    for name, (shape, dtype, blocks) in pieces.items():
+        if len(blocks) == 1 and tuple(blocks[0][1].shape) == tuple(shape):
+            out[name] = blocks[0][1]
             continue
-        whole = torch.empty(shape, dtype=dtype_of[name], device=device)
-        for piece, part in parts:
-            whole[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.shape, strict=True))].copy_(part)
+        device = blocks[0][1].device if blocks else None
+        whole = torch.empty(shape, dtype=dtype, device=device)
+        for offsets, block in blocks:
+            whole[block_slices(offsets, block)].copy_(block)
         out[name] = whole
     return out
+
+
+def assemble(
+    tables: list[RankTable], chunks: dict[tuple[int, int], torch.Tensor], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's table and chunks (`pieces_of`, then `whole_tensors`)."""
+    return whole_tensors(pieces_of(tables, chunks, device))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

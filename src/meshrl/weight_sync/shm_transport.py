@@ -43,15 +43,10 @@ class ShmUnreachable(RuntimeError):
 
 @cache
 def shm_identity() -> str:
-    """Equal in two processes exactly when they see the same /dev/shm: the kernel's boot id and the mount's
-    device and inode."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown"
-    st = os.stat(_shm_dir())
-    return f"{boot}/{st.st_dev}/{st.st_ino}"
+    """Equal in two processes exactly when they see the same /dev/shm (`placement.machine_identity`)."""
+    from meshrl.placement import machine_identity
+
+    return machine_identity()
 
 
 def _new_path() -> str:

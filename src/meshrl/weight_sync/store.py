@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from meshrl.weight_sync.pubsub import DEFAULT_STORE
-from meshrl.weight_sync.shards import DEFAULT_CHUNK_BYTES, assemble, pack
+from meshrl.weight_sync.shards import DEFAULT_CHUNK_BYTES, WeightPieces, pack, pieces_of, whole_tensors
 from meshrl.weight_sync.torchstore_compat import apply_torchstore_compat
 
 logger = logging.getLogger(__name__)
@@ -261,11 +261,21 @@ async def pull_weights(
     version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX, device: Any = None
 ) -> dict[str, torch.Tensor]:
     """Fetch exactly ``version`` as whole ``{name: tensor}`` (in the pushed order and dtype), put together from
-    every trainer rank's chunks: on the CPU, or on ``device`` when it is a GPU (`shards.assemble`).
+    every trainer rank's chunks (:func:`pull_weight_pieces`, then `shards.whole_tensors`).
 
     Raises :class:`WeightVersionNotFound` at once if that version was never (fully) pushed or was
     deleted, including while this pull was running. Never returns another version's tensors.
     """
+    pieces = await pull_weight_pieces(version, store_name=store_name, prefix=prefix, device=device)
+    return whole_tensors(pieces)
+
+
+async def pull_weight_pieces(
+    version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX, device: Any = None
+) -> WeightPieces:
+    """Fetch exactly ``version`` as each tensor's blocks, as the trainer ranks published them (`shards.pieces_of`):
+    an engine copies them into its weights directly, with no whole tensor put together first. On ``device`` when
+    it is a GPU (one copy per chunk), else views of the fetched chunks. Raises as :func:`pull_weights` does."""
     client = await _client(store_name)
     base = weights_key(version, prefix)
     manifest = await _get_object_or_none(client, _manifest_key(version, prefix))
@@ -292,7 +302,7 @@ async def pull_weights(
 
     chunks = await _bounded_gather(get_one, wanted)
     by_key = {(rank, i): c for (rank, i, _), c in zip(wanted, chunks, strict=True)}
-    return assemble(manifest["tables"], by_key, device)
+    return pieces_of(manifest["tables"], by_key, device)
 
 
 async def version_tables(version: int, *, store_name: str = DEFAULT_STORE, prefix: str = DEFAULT_PREFIX) -> list:

@@ -199,6 +199,13 @@ class HFEngine:
             raise ValueError("load_weights got an empty state dict")
         self.runner.load_weights(state_dict)
 
+    def load_weight_pieces(self, pieces) -> None:
+        """`load_weights` from each tensor's blocks (`weight_sync.shards.WeightPieces`), copied straight into the
+        weights: no whole tensor is put together first (with several trainer ranks every weight comes in blocks)."""
+        if not pieces:
+            raise ValueError("load_weight_pieces got no weights")
+        self.runner.load_weight_pieces(pieces)
+
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
         """`load_weights` from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`: a same-GPU CUDA buffer
         or its /dev/shm backing on CPU), opened once in this process and kept; returns the version loaded."""

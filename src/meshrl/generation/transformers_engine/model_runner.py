@@ -421,6 +421,31 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def load_weight_pieces(self, pieces) -> None:
+        """Copy each tensor's blocks into the matching slices of the model's weights (cast to the model's dtype)."""
+        from meshrl.weight_sync.shards import block_slices
+
+        params = self.params
+        unknown = [k for k in pieces if k not in params]
+        if unknown:
+            raise KeyError(f"load_weights: {len(unknown)} names are not weights of this model, e.g. {unknown[:3]}")
+        same_dst, same_src = [], []
+        for name, (shape, _, blocks) in pieces.items():
+            p = params[name]
+            if tuple(p.shape) != tuple(shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(shape)}, the model {tuple(p.shape)}")
+            for offsets, block in blocks:
+                dst = p.data[block_slices(offsets, block)]
+                if block.device == p.device and block.dtype == p.dtype:
+                    same_dst.append(dst)
+                    same_src.append(block)
+                else:
+                    dst.copy_(block.to(device=p.device, dtype=p.dtype), non_blocking=True)
+        if same_dst:
+            torch._foreach_copy_(same_dst, same_src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def shutdown(self) -> None:
         self._graphs.clear()
         self._graph_pool = None
