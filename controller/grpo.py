@@ -289,19 +289,20 @@ def main(
     if generator_cfg.nice is None:  # the asynchronous loop on CPU: trainer ranks first, generation in the gaps
         nice = 10 if cfg.grpo.max_staleness and cfg.trainer.device == "cpu" else 0
         generator_cfg = dataclasses.replace(generator_cfg, nice=nice)
-    ctl = Controller(
-        model_dir=model_dir,
-        model_cfg=cfg.model,
-        trainer_cfg=cfg.trainer,
-        generator_cfg=generator_cfg,
-        rewards=setup.rewards,
-        tokenizer=setup.renderer.tokenizer,
-        seed=cfg.run.seed,
-        call_timeout_s=cfg.run.call_timeout_s,
-        max_restarts=cfg.run.max_restarts,
-        heartbeat_s=cfg.run.heartbeat_s,
-        placement=cfg.placement,
-    )
+    with ckpts.starting():  # a host lost while the processes start ends the run with the resume hint
+        ctl = Controller(
+            model_dir=model_dir,
+            model_cfg=cfg.model,
+            trainer_cfg=cfg.trainer,
+            generator_cfg=generator_cfg,
+            rewards=setup.rewards,
+            tokenizer=setup.renderer.tokenizer,
+            seed=cfg.run.seed,
+            call_timeout_s=cfg.run.call_timeout_s,
+            max_restarts=cfg.run.max_restarts,
+            heartbeat_s=cfg.run.heartbeat_s,
+            placement=cfg.placement,
+        )
     handoff = memory_handoff(ctl, cfg)
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")

@@ -261,6 +261,17 @@ class RunCheckpoints:
         return path
 
     @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around starting the run's processes (building the Controller): a process or host lost then ends the run
+        as a later failure does, with the resume hint and no traceback. Other errors (a ConfigError) pass as
+        they are."""
+        try:
+            yield
+        except (ActorDiedError, ActorFrozenError):
+            with self.resume_hint_on_failure():
+                raise
+
+    @contextmanager
     def resume_hint_on_failure(self) -> Iterator[None]:
         """Any failure inside ends the run with RunFailedError naming the last good checkpoint. On the way out,
         however it goes, the run directory's lock is released (a resume may start now)."""

@@ -178,3 +178,15 @@ def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishe
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert re.search(r"resumed from .*step_0000000[24] at step [24]", resumed.stdout), resumed.stdout[-3000:]
     assert _records(out / "k") == straight
+
+
+def test_a_host_lost_while_the_run_starts_ends_it_with_the_resume_hint(out):
+    """The trainer's host is not there at all (nothing listens at its address): the run ends within
+    --placement.spawn-timeout-s naming the host, with the resume hint, and no traceback."""
+    cmd = _command(out, "gone", [f"tcp://127.0.0.1:{_free_port()}"] * 2, "--placement.spawn-timeout-s", "3")
+    ended = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    assert ended.returncode != 0
+    assert re.search(r"run failed \(an actor process died\): the trainer host tcp://\S+ is lost", ended.stderr), (
+        ended.stderr[-3000:]
+    )
+    assert "resume with: " in ended.stderr and "Traceback" not in ended.stderr, ended.stderr[-3000:]
