@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from procs import ENV, gone
 
 from meshrl.config import GRPORunConfig
 from meshrl.controller.cli import parse_run_config
@@ -58,7 +59,6 @@ FLAGS = [
     "--run.call-timeout-s",
     "120",
 ]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _records(run_dir):
@@ -137,17 +137,6 @@ def test_resumed_run_equals_the_straight_run_bitwise(out, straight, killed):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def _gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     """A scheduler's SIGTERM to the controller (preemption): the run stops with the last checkpoint and the resume
     command, its actor processes exit, and the shared weight buffer's files do not stay behind in /dev/shm."""
@@ -172,7 +161,7 @@ def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; last good checkpoint: " in err and str(ckpts / "step_") in err, err[-2000:]
     assert "resume with: " in err and "--run.resume" in err, err[-2000:]
-    assert all(_gone(pid, 30) for pid in pids), "trainer processes outlived the controller"
+    assert all(gone(pid, 30) for pid in pids), "trainer processes outlived the controller"
     left = [f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("meshrl-wsync-")]
     assert not left, left
 
@@ -319,7 +308,7 @@ def test_generator_and_reward_processes_killed_or_frozen_are_replaced_and_the_ru
     # Frozen while idle between steps or busy generating: detected on the next call, within the heartbeat window
     # of that call's first poll; the time between steps (training, on 2 cores) comes on top.
     print(f"frozen generator detected {detected_at - stopped_at:.1f}s after SIGSTOP (heartbeat {heartbeat_s}s)")
-    assert _gone(replacement, 30)  # the frozen process was killed, not left behind
+    assert gone(replacement, 30)  # the frozen process was killed, not left behind
 
     def comparable(records: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if k != "replicas_restarted"} for r in records]
@@ -357,4 +346,4 @@ def test_a_frozen_trainer_rank_ends_the_run_named_as_frozen_within_the_heartbeat
         if proc.poll() is None:
             proc.kill()
     assert detected_at - stopped_at < 60, detected_at - stopped_at
-    assert all(_gone(pid, 30) for pid in pids), "trainer processes outlived the run"
+    assert all(gone(pid, 30) for pid in pids), "trainer processes outlived the run"

@@ -12,49 +12,12 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-FLAGS = [
-    "--preset", "tiny-reverse", "--warmup.steps", "2", "--warmup.batch-size", "16", "--grpo.steps", "4",
-    "--grpo.prompts-per-step", "4", "--generator.engine", "transformers", "--trainer.micro-batch-size", "16",
-    "--reverse.num-train", "18", "--reverse.num-eval", "4", "--generator.weight-sync", "torchstore",
-    "--run.call-timeout-s", "120", "--run.save-every", "2",
-]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ancestors(pid: int) -> set[int]:
-    out = set()
-    while pid > 1:
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        out.add(pid)
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, grandchildren, ...)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    below, frontier = [], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        below += frontier
-    return below
+from procs import ENV, TWO_HOST_FLAGS, ancestors, descendants, free_port
 
 
 def _records(run_dir):
@@ -68,7 +31,7 @@ def _workers(n: int = 2):
     procs, addresses = [], []
     try:
         for _ in range(n):
-            address = f"tcp://127.0.0.1:{_free_port()}"
+            address = f"tcp://127.0.0.1:{free_port()}"
             cmd = [sys.executable, "-m", "meshrl.controller.worker", "--address", address]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV))
             addresses.append(address)
@@ -77,7 +40,7 @@ def _workers(n: int = 2):
         yield procs, addresses
     finally:
         for p in procs:
-            for pid in [p.pid, *_descendants(p.pid)]:
+            for pid in [p.pid, *descendants(p.pid)]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             p.wait()
@@ -97,7 +60,7 @@ def out(tmp_path_factory):
 def _command(out, name, addresses, *extra) -> list[str]:
     placement = ["--placement", "hosts", "--placement.workers", ",".join(addresses)]
     placement += ["--placement.trainer-host", "0", "--placement.generator-host", "1", "--placement.reward-host", "1"]
-    flags = [*FLAGS, *placement, "--run.output-dir", str(out), "--run.name", name, *extra]
+    flags = [*TWO_HOST_FLAGS, *placement, "--run.output-dir", str(out), "--run.name", name, *extra]
     return [sys.executable, "-m", "meshrl.controller.grpo", *flags]
 
 
@@ -119,7 +82,7 @@ def straight(out, workers):
         seen.append(line)
         if m := re.search(r"(trainer|generator|reward) processes \(pids\): \[([\d, ]+)\]", line):
             role, pids = m.group(1), [int(p) for p in m.group(2).split(",")]
-            assert all(host[role] in _ancestors(pid) for pid in pids), (role, pids, host)
+            assert all(host[role] in ancestors(pid) for pid in pids), (role, pids, host)
         if "placement:" in line:
             assert "trainers on " + addresses[0] in line and "generators on " + addresses[1] in line, line
             break
@@ -153,7 +116,7 @@ def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishe
             assert checkpoint.exists(), "the run wrote no checkpoint at step 2"
             os.kill(proc.pid, signal.SIGSTOP)
             try:  # the host dies: its worker and everything on it
-                for pid in [procs[1].pid, *_descendants(procs[1].pid)]:
+                for pid in [procs[1].pid, *descendants(procs[1].pid)]:
                     os.kill(pid, signal.SIGKILL)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -183,7 +146,7 @@ def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishe
 def test_a_host_lost_while_the_run_starts_ends_it_with_the_resume_hint(out):
     """The trainer's host is not there at all (nothing listens at its address): the run ends within
     --placement.spawn-timeout-s naming the host, with the resume hint, and no traceback."""
-    cmd = _command(out, "gone", [f"tcp://127.0.0.1:{_free_port()}"] * 2, "--placement.spawn-timeout-s", "3")
+    cmd = _command(out, "gone", [f"tcp://127.0.0.1:{free_port()}"] * 2, "--placement.spawn-timeout-s", "3")
     ended = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
     assert ended.returncode != 0
     assert re.search(r"run failed \(an actor process died\): the trainer host tcp://\S+ is lost", ended.stderr), (

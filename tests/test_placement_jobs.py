@@ -11,48 +11,24 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from procs import ENV, TWO_HOST_FLAGS, gone, parent
 
 from meshrl.config import ConfigError, PlacementConfig
-
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-FLAGS = [
-    "--preset", "tiny-reverse", "--warmup.steps", "2", "--warmup.batch-size", "16", "--grpo.steps", "4",
-    "--grpo.prompts-per-step", "4", "--generator.engine", "transformers", "--trainer.micro-batch-size", "16",
-    "--reverse.num-train", "18", "--reverse.num-eval", "4", "--generator.weight-sync", "torchstore",
-    "--run.call-timeout-s", "120", "--run.save-every", "2",
-]  # fmt: skip
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _host_of(pid: int) -> tuple[int, str, int]:
     """The ProcessJob host (a worker-loop subprocess) that `pid` runs under: its pid, Monarch's name for it, and
     its parent."""
     while pid > 1:
-        pid = _parent(pid)
+        pid = parent(pid)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"run_worker_loop_forever" in f.read():
                 with open(f"/proc/{pid}/environ", "rb") as env:
                     names = [v for v in env.read().split(b"\0") if v.startswith(b"HYPERACTOR_PROCESS_NAME=")]
-                return pid, names[0].split(b"=", 1)[1].decode(), _parent(pid)
+                return pid, names[0].split(b"=", 1)[1].decode(), parent(pid)
     raise AssertionError("not under a ProcessJob host")
-
-
-def _gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_grpo_on_a_monarch_process_job_puts_each_role_on_its_own_hosts_with_parity(tmp_path):
@@ -60,7 +36,15 @@ def test_grpo_on_a_monarch_process_job_puts_each_role_on_its_own_hosts_with_pari
     of the 'trainer' mesh's two hosts, generator and reward process on the 'rollout' mesh's host, each host a
     subprocess of the controller; logprobs agree after every sync, and the hosts end with the run."""
     placement = ["--placement", "process", "--placement.trainer-nodes", "2"]
-    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, *placement, "--run.output-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrl.controller.grpo",
+        *TWO_HOST_FLAGS,
+        *placement,
+        "--run.output-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.Popen(
         [*cmd, "--run.name", "p"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
     )
@@ -86,7 +70,7 @@ def test_grpo_on_a_monarch_process_job_puts_each_role_on_its_own_hosts_with_pari
     rl = [json.loads(r) for r in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if r["phase"] == "rl"]
     assert len(rl) == 4 and all(r["logprob_diff_max"] < 1e-4 for r in rl), [r["logprob_diff_max"] for r in rl]
-    assert all(_gone(pid, 15) for pid in host_pids), "the job's hosts outlived the run"
+    assert all(gone(pid, 15) for pid in host_pids), "the job's hosts outlived the run"
 
 
 _SLURM_CHILD = r"""
@@ -160,7 +144,7 @@ def test_slurm_without_sbatch_is_a_clear_config_error(tmp_path):
 
 
 def test_slurm_without_sbatch_ends_the_program_with_the_message_not_a_traceback(tmp_path):
-    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--placement", "slurm"]
+    cmd = [sys.executable, "-m", "meshrl.controller.grpo", *TWO_HOST_FLAGS, "--placement", "slurm"]
     env = {**ENV, "PATH": os.path.dirname(sys.executable)}  # python, and no Slurm
     proc = subprocess.run(
         [*cmd, "--run.output-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import cache
 
 
+@cache
 def machine_identity() -> str:
     """Equal in two processes exactly when they share a kernel and /dev/shm (one machine, one container): the
     boot id and the /dev/shm mount. A pid means something only to a process with the same identity."""

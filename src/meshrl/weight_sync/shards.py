@@ -20,6 +20,7 @@ No Monarch or torchstore in here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -165,13 +166,13 @@ def pieces_of(
             raise ValueError(f"rank {table.rank} published other tensors than rank {first.rank}")
         for piece in table.pieces:
             dtype = dtype_of[piece.name]
-            nbytes = _numel(piece.shape) * dtype.itemsize
+            nbytes = math.prod(piece.shape) * dtype.itemsize
             raw = chunks[(table.rank, piece.chunk)][piece.start : piece.start + nbytes]
             out[piece.name][2].append((piece.offsets, raw.view(dtype).view(piece.shape)))
     for name, (shape, _, blocks) in out.items():
         covered = sum(b.numel() for _, b in blocks)
-        if covered != _numel(shape):
-            raise ValueError(f"{name}: the ranks' pieces hold {covered} of its {_numel(shape)} elements")
+        if covered != math.prod(shape):
+            raise ValueError(f"{name}: the ranks' pieces hold {covered} of its {math.prod(shape)} elements")
     return out
 
 
@@ -201,13 +202,6 @@ def assemble(
 ) -> dict[str, torch.Tensor]:
     """Whole tensors from every rank's table and chunks (`pieces_of`, then `whole_tensors`)."""
     return whole_tensors(pieces_of(tables, chunks, device))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def renamed_only(source: dict[str, torch.Tensor], renamed: dict[str, torch.Tensor]) -> bool:

@@ -11,8 +11,8 @@ bytes need not travel at all:
 - get: the volume sends the stored tensor's file name; the client maps it (no copy: the tensor it gets is a view
   of the volume's memory, valid after the volume drops the key too).
 
-Whether both sides share /dev/shm is decided by comparing `shm_identity()` (boot id and the /dev/shm mount): a put
-to a volume elsewhere is refused by the volume (`ShmUnreachable`) and re-sent through a Monarch message
+Whether both sides share /dev/shm is decided by comparing `placement.machine_identity()` (boot id and the /dev/shm
+mount): a put to a volume elsewhere is refused by the volume (`ShmUnreachable`) and re-sent through a Monarch message
 (`torchstore_compat` does that, and stops trying shared memory from that process); a get from elsewhere gets the
 tensor inside the message. A /dev/shm too small for a chunk is an OSError while writing (ENOSPC), never a SIGBUS
 later, and the put is re-sent the same way. Files are named `meshrl-wsync-<pid>-ts-...`, so
@@ -25,28 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import uuid
 import weakref
-from functools import cache
 from typing import Any
 
 import torch
 from torchstore.transport.buffers import TransportBuffer
 
+from meshrl.placement import machine_identity
 from meshrl.weight_sync.cuda_ipc import _shm_dir
 
 
 class ShmUnreachable(RuntimeError):
     """The volume cannot see the client's shared memory (another host or container)."""
-
-
-@cache
-def shm_identity() -> str:
-    """Equal in two processes exactly when they see the same /dev/shm (`placement.machine_identity`)."""
-    from meshrl.placement import machine_identity
-
-    return machine_identity()
 
 
 def _new_path() -> str:
@@ -92,7 +85,7 @@ class ShmTransportBuffer(TransportBuffer):
     requires_meta = False
 
     def __init__(self) -> None:
-        self.identity = shm_identity()  # of the process that made this buffer (the client)
+        self.identity = machine_identity()  # of the process that made this buffer (the client)
         self.client_pid = os.getpid()
         self.adopt = False  # a put's file, which the volume keeps (a get's file stays the volume's)
         self.path: str | None = None
@@ -114,7 +107,7 @@ class ShmTransportBuffer(TransportBuffer):
             return
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
         self.adopt = os.getpid() == self.client_pid  # the client writes a put; the volume answers a get
-        if self.identity != shm_identity():  # a volume answering a client elsewhere: the message carries it
+        if self.identity != machine_identity():  # a volume answering a client elsewhere: the message carries it
             self.tensor = tensor
             return
         path = getattr(tensor, "_meshrl_shm_path", None)  # a volume's stored tensor already lives in a file
@@ -127,9 +120,9 @@ class ShmTransportBuffer(TransportBuffer):
         if self.path is None:
             got = self.tensor
         else:
-            if self.identity != shm_identity():
+            if self.identity != machine_identity():
                 raise ShmUnreachable(f"{self.path} was written on another host or container")
-            nbytes = _numel(self.shape) * self.dtype.itemsize
+            nbytes = math.prod(self.shape) * self.dtype.itemsize
             got = _map(self.path, nbytes).view(self.dtype).view(self.shape)
             if self.adopt:  # a put's file becomes the volume's; a get's stays the volume's
                 got = self._adopt(got)
@@ -163,10 +156,3 @@ class ShmTransportBuffer(TransportBuffer):
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
