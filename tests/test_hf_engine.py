@@ -398,3 +398,286 @@ def test_triton_kernels():
     env = dict(os.environ, CHECK_DEVICE="cuda") if on_gpu else dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- KV cache at fixed addresses (CUDA VMM)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _tokens_and_logprobs(groups):
+    return [[c.token_ids for c in g] for g in groups], [[c.logprobs for c in g] for g in groups]
+
+
+def test_vmm_struct_layouts_match_cuda_h():
+    """The ctypes structs against cuda.h's (sizes and offsets read with offsetof from CUDA 13.0's header)."""
+    import ctypes
+
+    from meshrl.generation.transformers_engine import device_memory as dm
+
+    assert ctypes.sizeof(dm.CUmemLocation) == 8 and dm.CUmemLocation.id.offset == 4
+    prop = dm.CUmemAllocationProp
+    assert ctypes.sizeof(prop) == 32
+    offsets = [prop.type, prop.requestedHandleTypes, prop.location, prop.win32HandleMetaData, prop.allocFlags]
+    assert [f.offset for f in offsets] == [0, 4, 8, 16, 24]
+    flags = dm.CUmemAllocFlags
+    assert ctypes.sizeof(flags) == 8 and [flags.gpuDirectRDMACapable.offset, flags.usage.offset] == [1, 2]
+    assert flags.reserved.offset == 4
+    assert ctypes.sizeof(dm.CUmemAccessDesc) == 12 and dm.CUmemAccessDesc.flags.offset == 8
+
+
+class _FakeDriver:
+    """`device_memory.Driver`'s methods over bookkeeping, to check RemappableBuffer's calls without a GPU."""
+
+    GRAN = 2 << 20
+
+    def __init__(self):
+        self.log, self.ctx_depth, self.handles, self.fail = [], 0, set(), {}
+        self.next_addr, self.next_handle = 1 << 40, 1
+
+    def _check(self, name):
+        self.log.append(name)
+        if name in self.fail:
+            from meshrl.generation.transformers_engine.device_memory import CudaDriverError
+
+            raise CudaDriverError(name, self.fail[name], "FAKE")
+
+    def device(self, ordinal):
+        return ordinal
+
+    def retain_primary_context(self, dev):
+        self._check("retain")
+        return 0xC0
+
+    def release_primary_context(self, dev):
+        self._check("release_ctx")
+
+    def push_context(self, ctx):
+        assert ctx == 0xC0
+        self.ctx_depth += 1
+
+    def pop_context(self):
+        self.ctx_depth -= 1
+
+    def granularity(self, prop):
+        assert self.ctx_depth == 1 and prop.type == 1 and prop.location.type == 1
+        return self.GRAN
+
+    def reserve(self, size, alignment):
+        self._check("reserve")
+        assert size % self.GRAN == 0 and alignment == self.GRAN
+        self.next_addr += 1 << 36
+        return self.next_addr
+
+    def free_address(self, ptr, size):
+        self._check("free_address")
+
+    def create(self, size, prop):
+        self._check("create")
+        self.next_handle += 1
+        self.handles.add(self.next_handle)
+        return self.next_handle
+
+    def release(self, handle):
+        self._check("release")
+        self.handles.remove(handle)
+
+    def map(self, ptr, size, handle):
+        self._check("map")
+
+    def unmap(self, ptr, size):
+        self._check("unmap")
+
+    def set_access(self, ptr, size, desc):
+        assert desc.flags == 3 and desc.location.type == 1
+        self._check("set_access")
+
+
+def test_remappable_buffer_calls_without_a_gpu(monkeypatch):
+    import gc
+
+    from meshrl.generation.transformers_engine import device_memory as dm
+
+    fake = _FakeDriver()
+    monkeypatch.setattr(dm, "driver", lambda: fake)
+    monkeypatch.setattr(dm.torch.cuda, "synchronize", lambda *a: None)
+    base = dm.mapped_bytes(3)
+    buf = dm.RemappableBuffer(5 << 20, 3)
+    assert buf.nbytes == 6 << 20 and not buf.mapped and fake.log == ["retain", "reserve"]
+    addr = buf.address
+    buf.map()
+    buf.map()  # no-op when mapped
+    assert buf.mapped and dm.mapped_bytes(3) == base + (6 << 20) and len(fake.handles) == 1
+    buf.unmap()
+    assert not buf.mapped and dm.mapped_bytes(3) == base and not fake.handles and buf.address == addr
+    assert fake.log[2:] == ["create", "map", "set_access", "unmap", "release"]
+    # a failed map leaves nothing behind: the physical memory is released, the mapping undone
+    fake.fail["set_access"] = 999
+    with pytest.raises(dm.CudaDriverError, match="set_access failed: CUresult 999"):
+        buf.map()
+    assert not buf.mapped and not fake.handles and fake.log[-3:] == ["set_access", "unmap", "release"]
+    del fake.fail["set_access"]
+    buf.map()
+    buf.close()
+    buf.close()
+    assert fake.log[-4:] == ["unmap", "release", "free_address", "release_ctx"] and fake.ctx_depth == 0
+    assert dm.mapped_bytes(3) == base and not fake.handles
+    with pytest.raises(RuntimeError, match="closed"):
+        buf.map()
+    # a buffer garbage-collected mapped is unmapped and freed
+    other = dm.RemappableBuffer(1, 3)
+    other.map()
+    del other
+    gc.collect()
+    assert fake.log[-4:] == ["unmap", "release", "free_address", "release_ctx"] and not fake.handles
+
+
+def test_driver_checks_every_result():
+    from meshrl.generation.transformers_engine import device_memory as dm
+
+    def ok(*args):
+        return 0
+
+    def oom(*args):
+        return 2
+
+    names = [s for _, symbols in dm._SIGNATURES.values() for s in symbols]
+    lib = type("Lib", (), {})()
+    for s in names:
+        setattr(lib, s, type("Fn", (), {"__call__": staticmethod(ok)})())
+    lib.cuMemCreate = type("Fn", (), {"__call__": staticmethod(oom)})()
+    drv = dm.Driver(lib)  # cuInit ran
+    assert drv._fns["cuCtxPushCurrent"] is lib.cuCtxPushCurrent_v2  # cuda.h's name for it
+    with pytest.raises(dm.CudaDriverError, match=r"cuMemCreate failed: CUresult 2") as err:
+        drv.create(2 << 20, dm.CUmemAllocationProp())
+    assert err.value.code == dm.CUDA_ERROR_OUT_OF_MEMORY
+    del lib.cuMemMap
+    with pytest.raises(OSError, match="no cuMemMap"):
+        dm.Driver(lib)
+
+
+def test_remappable_kv_cache_flag_without_cuda(setup):
+    from meshrl.errors import ConfigError
+    from meshrl.generation.transformers_engine import TransformersEngineConfig
+    from meshrl.generation.transformers_engine.device_memory import vmm_supported
+
+    assert "not a CUDA device" in vmm_supported("cpu")
+    with pytest.raises(ConfigError, match="remappable_kv_cache='yes'"):
+        TransformersEngineConfig(remappable_kv_cache="yes")  # type: ignore[arg-type]
+    engine = setup[0]
+    if engine.device.type == "cpu":  # today's cache: a torch tensor, dropped on sleep
+        assert not engine.remappable_kv and "not a CUDA device" in engine.kv_vmm_fallback
+        assert engine.runner.kv_mapped_bytes == 0
+    with pytest.raises(ValueError, match="remappable_kv_cache=True, but on cpu"):  # before the model loads
+        HFEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, device="cpu", remappable_kv_cache=True)
+
+
+@needs_cuda
+def test_level1_sleep_keeps_cuda_graphs_over_a_remapped_kv_cache(setup):
+    """GPU: a level-1 sleep gives the KV cache's memory back to the device, and the wake-up maps new memory at the
+    same addresses: the CUDA graphs replay as they are (no capture), and generation equals the one before. A
+    level-2 sleep (from awake, or deepening a level-1 one) drops the graphs (the weights move): they are captured
+    again, and generation is still the same."""
+    model_dir = setup[0].model_dir
+    dev = torch.device("cuda", torch.cuda.current_device())
+    # 2048 slots of 256 KiB: a 512 MiB cache, well above what else moves in mem_get_info
+    engine = HFEngine(
+        model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=2048, kv_cache_memory_bytes=2**29, device=dev
+    )
+    try:
+        assert engine.remappable_kv and engine.kv_vmm_fallback is None, engine.kv_vmm_fallback
+        assert engine.use_graphs and engine.kv_cache_bytes == 2**29
+        params = SamplingParams(max_tokens=20, temperature=0.9, n=4, seed=77)
+        ref_tok, ref_lp = _tokens_and_logprobs(engine.generate(PROMPTS, params, 0))
+        assert not engine.graph_failures
+        captures = engine.stats["graph_captures"]
+        ptr = engine.runner.kv.data_ptr()
+        assert captures > 0 and engine.memory()["kv_cache_bytes"] == engine.kv_cache_bytes
+        reserved = engine.memory()["reserved_bytes"]
+        assert reserved >= torch.cuda.memory_reserved(dev) + engine.kv_cache_bytes  # the VMM cache counted
+
+        torch.cuda.synchronize(dev)
+        free_awake = torch.cuda.mem_get_info(dev)[0]
+        engine.sleep(1)
+        freed = torch.cuda.mem_get_info(dev)[0] - free_awake
+        assert freed >= 0.9 * engine.kv_cache_bytes, (freed, engine.kv_cache_bytes)
+        assert engine.runner.kv is None and engine.memory()["kv_cache_bytes"] == 0
+        assert engine.runner._graphs and engine.runner.logits_buf is not None  # kept for the wake-up
+        assert engine.runner.asleep_kept_bytes < 2**30
+        engine.wake_up()
+        assert engine.runner.kv.data_ptr() == ptr
+        tok, lp = _tokens_and_logprobs(engine.generate(PROMPTS, params, 0))
+        assert engine.stats["graph_captures"] == captures, "the wake-up recaptured CUDA graphs"
+        assert tok == ref_tok and lp == ref_lp
+
+        for levels in ((2,), (1, 2)):
+            before = engine.stats["graph_captures"]
+            for level in levels:
+                engine.sleep(level)
+            assert engine.sleep_level == 2 and not engine.runner._graphs
+            tok, lp = _tokens_and_logprobs(engine.generate(PROMPTS, params, 0))
+            assert engine.stats["graph_captures"] > before and engine.runner.kv.data_ptr() == ptr
+            assert tok == ref_tok, levels
+            for a, b in zip(lp, ref_lp, strict=True):
+                for x, y in zip(a, b, strict=True):
+                    torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=ATOL, rtol=0)
+    finally:
+        engine.shutdown()
+
+
+class _HostRemappable:
+    """A stand-in for `RemappableBuffer` on the host: fixed storage, filled with NaN on every `map()` (what new
+    device memory may hold), so the engine's sleep / wake sequencing runs on CPU."""
+
+    def __init__(self, nbytes, device_index):
+        self.nbytes, self.mapped, self.maps = nbytes, False, 0
+        self.storage = torch.empty(nbytes // 4, dtype=torch.float32)
+
+    def map(self):
+        if not self.mapped:
+            self.storage.fill_(float("nan"))
+            self.mapped, self.maps = True, self.maps + 1
+
+    def unmap(self):
+        self.mapped = False
+
+    def tensor(self, shape, dtype):
+        assert self.mapped and dtype == torch.float32
+        return self.storage[: math.prod(shape)].view(shape)
+
+    def close(self):
+        self.mapped = False
+
+
+def test_sleep_wake_sequencing_over_a_remappable_cache_on_host(setup, monkeypatch):
+    """The runner's VMM path (CPU, a host stand-in for the buffer): a level-1 sleep unmaps the cache and keeps the
+    decode logits; the wake-up re-maps and zeroes it at the same address (generation equal, despite the NaN the
+    new memory held); a level-2 sleep (also deepening a level-1 one) drops the logits too; memory() counts the
+    mapped cache and reports 0 while asleep."""
+    from meshrl.generation.transformers_engine import model_runner
+
+    monkeypatch.setattr(model_runner, "vmm_supported", lambda device: None)
+    monkeypatch.setattr(model_runner, "RemappableBuffer", _HostRemappable)
+    engine = HFEngine(setup[0].model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, device="cpu")
+    try:
+        runner = engine.runner
+        assert engine.remappable_kv and engine.kv_vmm_fallback is None
+        params = SamplingParams(max_tokens=12, temperature=0.9, n=2, seed=5)
+        ref = _tokens_and_logprobs(engine.generate(PROMPTS, params, 0))
+        ptr, logits = runner.kv.data_ptr(), runner.logits_buf
+        assert engine.memory()["allocated_bytes"] == runner.kv_mapped_bytes == engine.kv_cache_bytes
+        engine.sleep(1)
+        assert runner.kv is None and not runner._kv_mem.mapped and runner.logits_buf is logits
+        assert engine.memory()["kv_cache_bytes"] == 0 == engine.memory()["allocated_bytes"]
+        assert _tokens_and_logprobs(engine.generate(PROMPTS, params, 0)) == ref  # woke up first
+        assert runner.kv.data_ptr() == ptr and runner.logits_buf is logits and runner._kv_mem.maps == 2
+        for levels in ((2,), (1, 2)):
+            for level in levels:
+                engine.sleep(level)
+            assert runner.logits_buf is None and not runner._kv_mem.mapped
+            engine.wake_up()
+            assert runner.kv.data_ptr() == ptr and not runner.kv.isnan().any()
+            assert _tokens_and_logprobs(engine.generate(PROMPTS, params, 0)) == ref
+    finally:
+        engine.shutdown()
+    assert runner._kv_mem is None

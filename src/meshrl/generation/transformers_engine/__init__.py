@@ -5,16 +5,17 @@ vLLM or torchtitan, so it runs on the GPU machine's preinstalled torch.
 
 One job per file, as nano-vllm's `engine/`:
 
-| file              | job                                                                                  |
-| ----------------- | ------------------------------------------------------------------------------------ |
-| `config.py`       | `TransformersEngineConfig`, the engine's own settings (`--generator.transformers.*`) |
-| `engine.py`       | `HFEngine`: validation, `generate` = schedule -> run -> postprocess, sleep / wake     |
-| `sequence.py`     | `Sequence`: one completion in the making                                             |
-| `scheduler.py`    | admission into KV slots, compaction of running rows, decode chunks (host side only)  |
-| `model_runner.py` | the model, the static KV cache, prefill / decode steps, CUDA graphs                  |
-| `sampler.py`      | counter-based noise, two-level inverse CDF, `sample` (temperature / top-k / top-p)   |
-| `attention.py`    | the KV attention function registered with transformers, and its context              |
-| `kernels.py`      | Triton decode attention and fused RMSNorm, with their self-checks                     |
+| file               | job                                                                                  |
+| ------------------ | ------------------------------------------------------------------------------------ |
+| `config.py`        | `TransformersEngineConfig`, the engine's own settings (`--generator.transformers.*`) |
+| `engine.py`        | `HFEngine`: validation, `generate` = schedule -> run -> postprocess, sleep / wake    |
+| `sequence.py`      | `Sequence`: one completion in the making                                             |
+| `scheduler.py`     | admission into KV slots, compaction of running rows, decode chunks (host side only)  |
+| `model_runner.py`  | the model, the static KV cache, prefill / decode steps, CUDA graphs                  |
+| `device_memory.py` | `RemappableBuffer`: the KV cache at fixed addresses (CUDA VMM), freed while asleep   |
+| `sampler.py`       | counter-based noise, two-level inverse CDF, `sample` (temperature / top-k / top-p)   |
+| `attention.py`     | the KV attention function registered with transformers, and its context              |
+| `kernels.py`       | Triton decode attention and fused RMSNorm, with their self-checks                    |
 
 Importing this package imports neither torch nor transformers until `HFEngine` is used (`meshrl.config` nests the
 config).

@@ -41,6 +41,12 @@ class TransformersEngineConfig:
     len_bucket_step: int = 256
     """Spacing of the attention-length buckets past 256 tokens: finer buckets read less padding but capture more
     CUDA graphs."""
+    remappable_kv_cache: bool | None = None
+    """Put the KV cache at virtual addresses reserved for the engine's lifetime (CUDA virtual memory management), so
+    a level-1 sleep gives its memory back but keeps the CUDA graphs (no recapture on wake-up; the graphs' memory
+    pool and the decode logits stay resident: hundreds of MiB at most). None: on a GPU whose driver supports it,
+    else a plain torch tensor (the reason in the engine's `kv_vmm_fallback`); True: required (start-up fails
+    where it cannot be used); False: a plain torch tensor, dropped on sleep with the graphs."""
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
@@ -48,6 +54,10 @@ class TransformersEngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"generator.transformers.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.remappable_kv_cache not in (None, True, False):
+            raise ConfigError(
+                f"generator.transformers.remappable_kv_cache={self.remappable_kv_cache!r}; use true, false or None"
             )
         for name in ("sync_every", "max_prefill_tokens", "len_bucket_step"):
             if int(getattr(self, name)) < 1:

@@ -107,6 +107,8 @@ class HFEngine:
     norm_fallback = property(lambda self: self.runner.norm_fallback)
     use_graphs = property(lambda self: self.runner.use_graphs)
     graph_failures = property(lambda self: self.runner.graph_failures)
+    remappable_kv = property(lambda self: self.runner.remappable_kv)
+    kv_vmm_fallback = property(lambda self: self.runner.kv_vmm_fallback)
 
     # ------------------------------------------------------------------ validation
 
@@ -221,21 +223,24 @@ class HFEngine:
     # ------------------------------------------------------------------ sleep mode (colocated trainer)
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: free the KV cache, the decode logits and the CUDA graphs (the weights stay on the device, and
-        `load_weights` still works). Level 2: also move the weights to host memory. Deeper than the current level
-        only; `wake_up` (or the next `generate`) undoes it."""
+        """Level 1: free the KV cache (the weights stay on the device, and `load_weights` still works). With the
+        cache at reserved addresses (`remappable_kv`: CUDA VMM) only its memory goes, and the CUDA graphs and the
+        decode logits stay for the wake-up; else the decode logits and the graphs go too. Level 2: also the graphs
+        and the logits, and the weights move to host memory. Deeper than the current level only; `wake_up` (or the
+        next `generate`) undoes it."""
         level = check_sleep_level(level)
         if level <= self._sleep_level:
             return
-        if self.runner.has_cache:
-            self.runner.free_cache()
+        # Level 1 -> 2 too: the graphs a level-1 sleep kept read the weights' addresses, which move now.
+        self.runner.free_cache(keep_graphs=level == 1)
         if level == 2:
             self.runner.move_weights(torch.device("cpu"))
         self._sleep_level = level
 
     def wake_up(self) -> None:
-        """Weights back on the device (after level 2), a new zeroed KV cache; CUDA graphs are captured again on
-        first use. Generation afterwards equals generation without the sleep. No-op when awake."""
+        """Weights back on the device (after level 2), a zeroed KV cache (at its old addresses with
+        `remappable_kv`, where the graphs a level-1 sleep kept replay as they are); CUDA graphs dropped are
+        captured again on first use. Generation afterwards equals generation without the sleep. No-op when awake."""
         if self._sleep_level == 0:
             return
         if self._sleep_level == 2:
@@ -244,8 +249,13 @@ class HFEngine:
         self._sleep_level = 0
 
     def memory(self) -> dict[str, Any]:
-        """`base.process_memory` of the engine's device, plus 'kv_cache_bytes' (0 while asleep) and 'sleep_level'."""
+        """`base.process_memory` of the engine's device, plus 'kv_cache_bytes' (0 while asleep) and 'sleep_level'.
+        A `remappable_kv` cache's memory, which torch's allocator does not see, is counted in 'allocated_bytes' and
+        'reserved_bytes' while mapped (as a torch-allocated cache would be)."""
         out = process_memory(self.device)
+        if self.runner.remappable_kv and self.runner.has_cache:
+            out["allocated_bytes"] += self.runner.kv_mapped_bytes
+            out["reserved_bytes"] += self.runner.kv_mapped_bytes
         out["kv_cache_bytes"] = self.kv_cache_bytes if self.runner.has_cache else 0
         out["sleep_level"] = self._sleep_level
         return out

@@ -4,7 +4,10 @@ sampled, as host arrays; it never changes a `Sequence`.
 
 - KV cache: one static tensor `[2, layers, slots, kv_heads, max_model_len, head_dim]`. Weight updates are in
   place, so the cache and the CUDA graphs stay valid across `load_weights`; `free_cache` / `allocate_cache` drop and
-  re-make it (and the graphs, which are recaptured on first use) for sleep mode.
+  re-make it for sleep mode. On GPU the cache lives at addresses reserved for good (`device_memory.RemappableBuffer`,
+  CUDA virtual memory management): a level-1 sleep gives its physical memory back and keeps the CUDA graphs, which
+  replay at the same addresses after wake-up. Without it (CPU, no VMM support, `remappable_kv_cache=False`) the
+  cache is a torch tensor dropped and re-made, and the graphs (which baked its address) are recaptured on first use.
 - Decode step: one token per row, attention over `[0, bucket)` of the cache with a per-row length mask. On GPU it
   is captured as CUDA graphs, one per (batch bucket, length bucket), replayed with static input buffers.
 - Device loop: when no row uses top-k/top-p, one step = forward + sampling + logprob + position/step updates, all
@@ -28,6 +31,13 @@ import torch
 from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES
 from meshrl.generation.transformers_engine.attention import ATTN_NAME, AttentionContext, register_attention, use_context
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
+from meshrl.generation.transformers_engine.device_memory import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CudaDriverError,
+    RemappableBuffer,
+    mapped_bytes,
+    vmm_supported,
+)
 from meshrl.generation.transformers_engine.kernels import check_triton_attention, fuse_norms, triton_decode_supported
 from meshrl.generation.transformers_engine.sampler import sample, uniform_noise, uniform_noise_torch
 from meshrl.generation.transformers_engine.scheduler import Compaction, Decode, Prefill
@@ -61,6 +71,9 @@ class ModelRunner:
 
         register_attention()
         self.config, self.torch_dtype, self.device = config, torch_dtype, device
+        # Whether the KV cache can live at fixed addresses (checked before the model loads: True refuses to start
+        # where it cannot).
+        self.kv_vmm_fallback: str | None = self._vmm_fallback(config.remappable_kv_cache)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=ATTN_NAME)
         self.model = model.to(self.device).eval().requires_grad_(False)
         cfg = model.config.get_text_config()
@@ -102,9 +115,28 @@ class ModelRunner:
         self.num_slots = slots
         self.kv_cache_bytes = per_slot * slots
         self._ctx = AttentionContext()
-        self.kv: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None  # None while asleep (also with VMM: its addresses have no memory then)
         self.logits_buf: torch.Tensor | None = None
-        self.allocate_cache()
+        self._kv_mem: RemappableBuffer | None = None  # the cache's reserved addresses (VMM), or None
+        self._kv_view: torch.Tensor | None = None  # the cache tensor over them, kept while asleep
+        self.asleep_kept_bytes = 0  # device memory a sleep left besides the weights (free_cache)
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, length, device loop)
+        self._graph_pool = None
+        if self.kv_vmm_fallback is None:
+            try:
+                self._kv_mem = RemappableBuffer(self.kv_cache_bytes, self._device_index())
+                self.allocate_cache()
+            except Exception as e:  # noqa: BLE001 - unless required: a torch-allocated cache, and say why
+                if config.remappable_kv_cache:
+                    raise
+                self.kv = self._kv_view = None
+                self._ctx.k, self._ctx.v = [], []
+                if self._kv_mem is not None:
+                    self._kv_mem.close()
+                    self._kv_mem = None
+                self.kv_vmm_fallback = f"{type(e).__name__}: {e}"
+        if self.kv is None:
+            self.allocate_cache()
         # Static decode inputs (CUDA graphs read these addresses).
         self.ids_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.pos_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
@@ -123,10 +155,8 @@ class ModelRunner:
         # Decode attention reads the KV of [0, length bucket) for every row: finer buckets read less padding but
         # capture more graphs (one per batch bucket x length bucket).
         self.len_buckets = _buckets(self.max_model_len, (32, 64, 128, 256), int(config.len_bucket_step))
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, length, device loop)
-        self._graph_pool = None
         self.graph_failures: list[str] = []
-        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0}
+        self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0, "graph_captures": 0}
         self.attn_fallback: str | None = None
         self.attn_impl = self._choose_attn(config.attn_impl)
         self._ctx.attn_impl = self.attn_impl
@@ -134,15 +164,31 @@ class ModelRunner:
         self.norm_fallback = fuse_norms(self.model, self.device, torch_dtype) if want_norm else None
         self.fused_norm = want_norm and self.norm_fallback is None
 
+    def _device_index(self) -> int:
+        if self.device.index is not None or self.device.type != "cuda":
+            return self.device.index or 0
+        return torch.cuda.current_device()
+
+    def _vmm_fallback(self, want: bool | None) -> str | None:
+        """None when the KV cache goes into a `RemappableBuffer`, else why not."""
+        if want is False:
+            return "remappable_kv_cache=False"
+        why = vmm_supported(self.device)
+        if why is not None and want:
+            raise ValueError(f"generator.transformers.remappable_kv_cache=True, but on {self.device}: {why}")
+        return why
+
     def _kv_budget(self, kv_cache_memory_bytes: int | None) -> int:
         if kv_cache_memory_bytes is not None:
             return int(kv_cache_memory_bytes)
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
         # The weights are on the device already: this process may grow by what its share has left, and never past
-        # (most of) what is free now.
+        # (most of) what is free now. (What this process maps outside torch's allocator, e.g. another engine's
+        # KV cache, counts in its share too: `memory_reserved` leaves it out.)
         free, total = torch.cuda.mem_get_info(self.device)
-        share = self.config.gpu_memory_utilization * total - torch.cuda.memory_reserved(self.device)
+        held = torch.cuda.memory_reserved(self.device) + mapped_bytes(self._device_index())
+        share = self.config.gpu_memory_utilization * total - held
         logits = self.vocab_size * 4 * 1024  # decode logits and sampling temporaries, about 1k rows' worth
         return int(max(min(share, free * GPU_FREE_FRACTION) - logits, 0))
 
@@ -171,21 +217,69 @@ class ModelRunner:
     def has_cache(self) -> bool:
         return self.kv is not None
 
-    def allocate_cache(self) -> None:
-        """The KV cache and the decode logits, zeroed. CUDA graphs are captured again on first use."""
-        shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.max_model_len, self.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.torch_dtype, device=self.device)
-        self._ctx.k, self._ctx.v = list(self.kv[0]), list(self.kv[1])
-        self.logits_buf = torch.zeros(self.num_slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+    @property
+    def remappable_kv(self) -> bool:
+        """Whether the KV cache lives at reserved addresses (VMM) that a level-1 sleep keeps."""
+        return self._kv_mem is not None
 
-    def free_cache(self) -> None:
-        """Drop the KV cache, the decode logits and the CUDA graphs (which read their addresses), and give the
-        memory back to the device."""
-        self._graphs.clear()
-        self._graph_pool = None
-        self.kv = self.logits_buf = None
+    @property
+    def kv_mapped_bytes(self) -> int:
+        """Device memory behind a `remappable_kv` cache now (its size rounded up to the VMM granularity; 0 while
+        asleep or without VMM)."""
+        return self._kv_mem.nbytes if self._kv_mem is not None and self._kv_mem.mapped else 0
+
+    def allocate_cache(self) -> None:
+        """The KV cache, zeroed, and the decode logits (unless kept). VMM: new memory at the cache's old addresses,
+        so CUDA graphs kept by `free_cache(keep_graphs=True)` stay valid; else a new tensor, and graphs are
+        captured again on first use."""
+        shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.max_model_len, self.head_dim)
+        if self._kv_mem is not None:
+            try:
+                self._kv_mem.map()
+            except CudaDriverError as e:
+                if e.code != CUDA_ERROR_OUT_OF_MEMORY:
+                    raise
+                self._release_memory()  # blocks torch's allocator keeps cached, as a torch allocation would
+                self._kv_mem.map()
+            if self._kv_view is None:
+                self._kv_view = self._kv_mem.tensor(shape, self.torch_dtype)
+            self._kv_view.zero_()  # new physical memory holds anything (a NaN would leak through masked attention)
+            self.kv = self._kv_view
+        else:
+            self.kv = torch.zeros(shape, dtype=self.torch_dtype, device=self.device)
+        self._ctx.k, self._ctx.v = list(self.kv[0]), list(self.kv[1])
+        if self.logits_buf is None:
+            self.logits_buf = torch.zeros(self.num_slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+
+    def free_cache(self, keep_graphs: bool = False) -> None:
+        """Give the KV cache's memory back to the device. Idempotent (a deeper sleep calls it again).
+
+        keep_graphs (level-1 sleep), with the cache at reserved addresses (VMM): only the cache's physical memory
+        goes; the CUDA graphs, their private memory pool and the decode logits stay, so `allocate_cache` needs no
+        recapture. That keeps resident, besides the weights, the graph pool (the activations and sampling
+        temporaries of the largest captured bucket) and the logits buffer [slots, vocab]: hundreds of MiB at most
+        for a large vocabulary; `asleep_kept_bytes` records it (torch's reserved bytes less the weights, on sleep).
+        Otherwise (level 2: the weights move, and the graphs read their addresses; or no VMM): the graphs, their
+        pool and the logits go too, and the graphs are captured again on first use."""
+        keep = keep_graphs and self._kv_mem is not None
+        if not keep:
+            self._graphs.clear()
+            self._graph_pool = None
+            self.logits_buf = None
+        self.kv = None
         self._ctx.k, self._ctx.v = [], []
+        if self._kv_mem is not None:
+            self._kv_mem.unmap()  # waits for the device first; self._kv_view stays, over addresses without memory
         self._release_memory()
+        if self.device.type == "cuda":
+            self.asleep_kept_bytes = max(int(torch.cuda.memory_reserved(self.device)) - self._weight_bytes(), 0)
+
+    def _weight_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for t in self.params.values():
+            if t.device.type == "cuda":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def move_weights(self, device: torch.device) -> None:
         """Move the weights (level-2 sleep: to host memory; wake-up: back). Captured graphs read the old addresses:
@@ -324,6 +418,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 step(B, L)
             self._graphs[(B, L, device_loop)] = graph
+            self.stats["graph_captures"] += 1
             return graph
         except Exception as e:  # noqa: BLE001 - fall back to eager decode steps, and say why
             self.graph_failures.append(f"{type(e).__name__}: {e}")
@@ -450,10 +545,13 @@ class ModelRunner:
         self._graphs.clear()
         self._graph_pool = None
         self.model = self.decoder = self.lm_head = None
-        self.kv = self.logits_buf = None
+        self.kv = self.logits_buf = self._kv_view = None
         self.params = {}
         self._ctx.k, self._ctx.v = [], []
         self._release_memory()
+        if self._kv_mem is not None:  # after every tensor over it (and every graph reading it) is gone
+            self._kv_mem.close()
+            self._kv_mem = None
 
 
 __all__ = ["GPU_FREE_FRACTION", "ModelRunner"]
