@@ -12,10 +12,16 @@
 #                                            # memory hand-off vs fixed micro-batches)
 #   bash bench/gpu_run.sh sync [args]        # the torch 2.11 stack: bench/weight_sync_ranks.py --gpu (torchstore,
 #                                            # sharded and gathered, beside CUDA IPC; 0.6B shape)
-#   bash bench/gpu_run.sh piece vllm.00      # ... vllm.22 (GPU.md step 4), then
-#   bash bench/gpu_run.sh vllm               # (carries .chunks/vllm.23) HFEngine vs generate vs vLLM 0.33 and
-#                                            # vLLM's CUDA-IPC weight load, one run ('vllm-ipc': the load check
-#                                            # alone, eager engine)
+#   bash bench/gpu_run.sh piece vllm.00      # ... vllm.25 (GPU.md step 4, re-cut with split -b 58M so a piece and
+#                                            # the working tree fit one call), then one of
+#   bash bench/gpu_run.sh vllm               # HFEngine vs generate vs vLLM 0.33 and vLLM's CUDA-IPC weight load, one
+#                                            # run ('vllm-ipc': the load check alone, eager engine)
+#   bash bench/gpu_run.sh vllm-loop [args]   # (carries .whl) the VMM KV-cache GPU test, then
+#                                            # bench/one_gpu_memory.py [args] with vLLM in the GRPO loop
+#   bash bench/gpu_run.sh titan-vllm [configs] # (carries .whl_titan) torchtitan on the vLLM stack's torch 2.14:
+#                                            # the fused Kahan AdamW kernel's GPU tests and bench/kahan_kernel.py, then
+#                                            # trainer_speed.py --backend torchtitan (flex without max-autotune, which
+#                                            # stalls on 2.14), the bare loop beside fp32-master, bf16 and Kahan configs
 #
 # Everything lands under $OUT (JSON from the scripts, logs).
 set -uo pipefail
@@ -23,12 +29,24 @@ stage=${1:?stage: piece NAME | titan [configs] | torch211 | onegpu [args] | sync
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+vllm_stack() {  # vLLM 0.33 + torch 2.14 from the pieces in /tmp/chunks (and any still in .chunks), into /tmp/site
+  if [ ! -d /tmp/site/vllm ]; then
+    mkdir -p /tmp/chunks /tmp/vw && { ! ls .chunks/vllm.* >/dev/null 2>&1 || cp .chunks/vllm.* /tmp/chunks/; }
+    cat /tmp/chunks/vllm.* > /tmp/vllm.tar && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
+    pipi /tmp/site --upgrade /tmp/vw/*.whl || return 1
+  fi
+  export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD/src
+  export LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2 VLLM_USE_FLASHINFER_SAMPLER=0
+}
 
 case "$stage" in
 piece)
   mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
   ;;
 titan)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py 2>&1 \
+    | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
+  (cd bench && timeout 90 python3 kahan_kernel.py 2>&1 | tail -15 | tee "$OUT/kahan_kernel.log")
   configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
     mkdir -p /tmp/chunks && { [ ! -f .chunks/nccl.03 ] || cp .chunks/nccl.03 /tmp/chunks/; }
@@ -69,14 +87,33 @@ sync)
   cd bench && timeout "${SYNC_TIMEOUT:-540}" python3 weight_sync_ranks.py --gpu "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn|Loading weights" | tail -40 | tee "$OUT/weight_sync_ranks_gpu.log"
   ;;
+vllm-loop)
+  vllm_stack || exit 1
+  # Monarch, torchstore, tyro after the vLLM stack on the path: its own versions of shared packages win
+  [ -d /tmp/sitew/monarch ] || pipi /tmp/sitew .whl/*.whl || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/sitew
+  python3 -c "import torch, vllm, monarch; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
+  # the transformers engine's KV cache over CUDA virtual memory: a level-1 sleep keeps the decode graphs
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py -k "remap or vmm or triton_kernels" 2>&1 \
+    | tail -15 | tee "$OUT/test_hf_engine_vmm_gpu.log"
+  cd bench && timeout "${LOOP_TIMEOUT:-400}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
+    | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory_vllm.log"
+  ;;
+titan-vllm)
+  vllm_stack || exit 1
+  [ -d /tmp/sitet/torchtitan ] || pipi /tmp/sitet .whl_titan/*.whl || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/sitet
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py 2>&1 \
+    | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
+  (cd bench && timeout 90 python3 kahan_kernel.py 2>&1 | tail -15 | tee "$OUT/kahan_kernel.log")
+  configs=${2:-plain-titan,titan+chunked+compile+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+kahan}
+  (cd bench && python3 -c "from common import make_model_dir; make_model_dir('/tmp/model06b', tiny=False)")
+  cd bench && timeout "${TITAN_TIMEOUT:-540}" python3 trainer_speed.py --backend torchtitan --flex-no-autotune --warmup 3 \
+    --steps 5 --model-dir /tmp/model06b --configs "$configs" 2>&1 | grep -v -E "Warning|warnings.warn" \
+    | tail -40 | tee "$OUT/trainer_speed_titan.log"
+  ;;
 vllm|vllm-ipc)
-  if [ ! -d /tmp/site/vllm ]; then
-    mkdir -p /tmp/chunks /tmp/vw && cp .chunks/vllm.23 /tmp/chunks/
-    cat /tmp/chunks/vllm.* > /tmp/vllm.tar && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
-    pipi /tmp/site --upgrade /tmp/vw/*.whl || exit 1
-  fi
-  export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD/src
-  export LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2 VLLM_USE_FLASHINFER_SAMPLER=0
+  vllm_stack || exit 1
   extra=()
   # vllm-ipc: only vLLM's weight-load check, eager engine (starts in seconds, not minutes)
   [ "$stage" = vllm-ipc ] && extra=(--variants "" --skip-generate --batches 8 --new 32 --vllm-eager)

@@ -15,7 +15,13 @@ Part 1 ("fits"): one optimiser step on synthetic sequences of each shape (sequen
 it run, how long, peak memory, calls made. Part 2 ("rl"): GRPO steps end to end (generate -> score -> train -> sync)
 on the two jobs of the issue, 16 x 8 x 2048 and 64 x 8 x 512 new tokens. The random model emits no EOS, so every
 completion runs to max_tokens (equal lengths: packing has no padding to remove there); `--stop-ids K` makes K token
-ids end a completion, giving geometric lengths (mean ~151936 / K) for a variable-length job.
+ids end a completion, giving geometric lengths (mean ~151936 / K) for a variable-length job. Part "standalone": the
+config's engine alone in this process (built as the Generator actor builds it) on the rl jobs' prompts, before the
+Controller starts; the table gives in-loop generation tok/s over it.
+
+More configs: 'after+fast' (after + compiled blocks, chunked logprobs, pure-bf16 weights with Kahan-compensated
+AdamW), 'vllm' and 'vllm+fast' (the same trainers with vLLM as the generator, its GPU defaults: CUDA graphs, sleep
+mode; needs the vLLM stack, bench/gpu_run.sh vllm-loop).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from common import ensure_meshrl_layout, environment, make_model_dir, print_tabl
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tiny", action="store_true")
-ap.add_argument("--parts", default="fits,rl")
+ap.add_argument("--parts", default="fits,rl", help="fits, rl, standalone (the engine alone on the rl jobs)")
 ap.add_argument("--configs", default="before,after,after+chunk")
 ap.add_argument("--micro-batch", type=int, default=16, help="'before': sequences per forward_backward call")
 ap.add_argument("--kv-gib", type=float, default=30.0)
@@ -58,6 +64,12 @@ def configs(args, on_gpu: bool, max_model_len: int) -> dict:
         pack_sequences=False, logprob_chunk_size=0 if args.tiny else 4096,
     )  # fmt: skip
     after = TrainerConfig(num_procs=1, device=device, micro_batch_size=1024)
+    # the trainer's speed levers (trainer_speed.py's best safe configuration): compiled blocks, chunked logprobs,
+    # pure-bf16 weights with Kahan-compensated AdamW (tracks the fp32-master update; tests/test_optim_bf16.py)
+    fast = dataclasses.replace(
+        after, logprob_chunk_size=4096, compile=on_gpu, master_dtype=dtype, bf16_rounding="kahan"
+    )
+    vllm = dataclasses.replace(gen, engine="vllm")  # vLLM with its GPU defaults: CUDA graphs, sleep mode
     return {
         "before": (model, before, dataclasses.replace(gen, sleep_level=0)),
         # before, tuned by hand the way the issue got the 2048-token job to run: activation checkpointing on
@@ -68,6 +80,9 @@ def configs(args, on_gpu: bool, max_model_len: int) -> dict:
         ),
         "after": (model, after, gen),
         "after+chunk": (model, dataclasses.replace(after, logprob_chunk_size=4096), gen),
+        "after+fast": (model, fast, gen),
+        "vllm": (model, after, vllm),
+        "vllm+fast": (model, fast, vllm),
     }
 
 
@@ -105,6 +120,53 @@ def fits(ctl, handoff, shapes, vocab: int) -> list[dict]:
         handoff.to_generator()
         print(f"  fits {row}", flush=True)
         rows.append(row)
+    return rows
+
+
+def standalone(gen, model_dir: str, task, jobs, args) -> list[dict]:
+    """The generator's engine alone in this process, built as the Generator actor builds it (the same config, whole),
+    on each RL job's first prompts: the figure the in-loop generation is compared with (bench/generation.py's
+    measurement, at the loop's shape and settings). Timed on the second call (the first warms up)."""
+    import gc
+
+    import torch
+
+    from meshrl.types import SamplingParams
+
+    shared = dict(dtype=gen.dtype, max_model_len=gen.max_model_len, max_num_seqs=gen.max_num_seqs,
+                  kv_cache_memory_bytes=gen.kv_cache_memory_bytes, seed=0)  # fmt: skip
+    t0 = time.perf_counter()
+    if gen.engine == "vllm":
+        from meshrl.generation.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, gen.vllm, **shared)
+    else:
+        from meshrl.generation.transformers_engine import HFEngine
+
+        engine = HFEngine(model_dir, gen.transformers, **shared)
+    rows = [{"start_s": time.perf_counter() - t0}]
+    print(f"  standalone {gen.engine}: started in {rows[0]['start_s']:.0f}s", flush=True)
+    tok = task.tokenizer
+    try:
+        for prompts, group, max_tokens in jobs:
+            stop = [tok.eos_id] + list(range(1000, 1000 + args.stop_ids))
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, n=group, stop_token_ids=stop)
+            ids = [tok.encode(r.prompt) for r in random.Random(0).sample(task.train, prompts)]
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                groups = engine.generate(ids, sampling, 0)
+                times.append(time.perf_counter() - t0)
+            made = sum(len(c.token_ids) for g in groups for c in g)
+            rows.append({"job": f"{prompts}x{group}x{max_tokens}", "generate_s": times[1], "first_s": times[0],
+                         "generated_tokens": made, "generate_tok_per_s": made / times[1]})  # fmt: skip
+            print(f"  standalone {rows[-1]}", flush=True)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -188,6 +250,13 @@ def main() -> None:
     for name in [c for c in args.configs.split(",") if c]:
         model, trainer, gen = configs(args, on_gpu, max_model_len)[name]
         out = payload["results"][name] = {"trainer": dataclasses.asdict(trainer)}
+        if "standalone" in args.parts:
+            try:
+                out["standalone"] = standalone(gen, model_dir, task, jobs, args)
+            except Exception:  # noqa: BLE001
+                out["standalone"] = [{"error": traceback.format_exc()[-3000:]}]
+                print(out["standalone"][0]["error"], flush=True)
+            write_json("one_gpu_memory", payload)
         try:
             with Controller(
                 model_dir=model_dir, model_cfg=model, trainer_cfg=trainer, generator_cfg=gen, tokenizer=task.tokenizer,
@@ -227,15 +296,19 @@ def main() -> None:
     print_table("one optimiser step per shape (train only): time, trainer peak", ["shape", *names], fit_rows)
     rl_rows = []
     for name in names:
+        alone = {r["job"]: r for r in payload["results"][name].get("standalone", []) if "job" in r}
         for job in payload["results"][name].get("rl", []):
             m = job.get("median")
+            ref = alone.get(job["job"])
+            ratio = m["generate_tok_per_s"] / ref["generate_tok_per_s"] if m and ref else float("nan")
             rl_rows.append(
                 [name, job["job"]] + ([m["total_s"], m["generate_s"], m["train_s"], m["sync_s"], m["calls"],
-                                       m["train_tok_per_s"], m["logprob_diff_mean"]] if m else ["error"] * 7)
+                                       m["generate_tok_per_s"], ratio, m["train_tok_per_s"], m["logprob_diff_mean"]]
+                                      if m else ["error"] * 9)
             )  # fmt: skip
     print_table(
-        "GRPO steps (median)", ["config", "job", "step s", "generate s", "train s", "sync s", "calls", "train tok/s",
-                                "|lp diff|"], rl_rows,
+        "GRPO steps (median)", ["config", "job", "step s", "generate s", "train s", "sync s", "calls", "gen tok/s",
+                                "gen / alone", "train tok/s", "|lp diff|"], rl_rows,
     )  # fmt: skip
 
 

@@ -19,12 +19,15 @@ rates (~1e-6, weights ~0.02) nearly every update is. "kahan" and "stochastic" ke
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch.optim.adamw import adamw
+
+from meshrl import optim_kernels
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -90,13 +93,19 @@ class FusedAdamW(torch.optim.AdamW):
         expectation; no extra state, but noise of up to a bf16 step per weight and update. Random bits from a
         torch.Generator on the parameter's device seeded with `rounding_seed` (its position is not checkpointed:
         a resumed run draws a fresh stream).
-    Both run the same fused kernel on float32 copies of the weight (kahan: weight + comp) and AdamW state, one
+    Both can run torch's fused kernel on float32 copies of the weight (kahan: weight + comp) and AdamW state, one
     scratch-sized chunk at a time (`scratch_numel` elements, 20 bytes each, kept between steps: 320 MiB at
     most), so the AdamW math is the fused kernel's (float32 either way) and the bf16 exp_avg / exp_avg_sq are
-    stored as it stores them.
-    The price of staying with torch's kernels: ~100 bytes of memory traffic per bf16 parameter and step instead
-    of the kernel's 14 (Qwen3-0.6B on an H100: ~27 ms instead of ~6; eager adds ~10 ms of host launches, which
-    `cuda_graph` removes). A fused kahan kernel (~18 bytes) would bring it back to the plain step's cost."""
+    stored as it stores them. The price of staying with torch's kernels: ~100 bytes of memory traffic per bf16
+    parameter and step instead of the kernel's 14 (Qwen3-0.6B on an H100: ~27 ms instead of ~6; eager adds ~10 ms
+    of host launches, which `cuda_graph` removes).
+    So on CUDA, with Triton importable, "kahan" runs as one Triton kernel per group and gradient dtype instead
+    (`meshrl.optim_kernels`: the same per-element math as torch's CUDA kernel, weight + comp, gradient and
+    state read once and written once, ~18 bytes per parameter with bf16 gradients, no scratch); what that
+    saves against the plain step is to be measured on the GPU (bench/kahan_kernel.py). It also leaves a
+    skipped step's tensors bitwise as they were. `fused_kahan=False` (taken from the environment variable
+    MESHRL_FUSED_KAHAN=0 when the optimiser is built; the attribute can be set later) keeps the torch
+    formulation, which CPU parameters and "stochastic" always take."""
 
     scratch_numel: int = 1 << 24  # smaller chunks: more launches, slower (1 << 22: +12% at 0.6B)
 
@@ -118,6 +127,7 @@ class FusedAdamW(torch.optim.AdamW):
         self.cuda_graph = cuda_graph
         self.bf16_rounding = bf16_rounding
         self.rounding_seed = rounding_seed
+        self.fused_kahan = os.environ.get("MESHRL_FUSED_KAHAN", "1") != "0"
         self._generators: dict[torch.device, torch.Generator] = {}
         self._lists: list[tuple[list, list, list, list]] | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -135,6 +145,7 @@ class FusedAdamW(torch.optim.AdamW):
     def _forget_lists(self) -> None:
         self._lists, self._graph, self._graph_warm = None, None, False
         self._plans: dict[tuple[int, ...], _Plan] = {}  # their views alias the state tensors
+        self._kernels: dict[tuple[int, ...], optim_kernels.KahanAdamW | None] = {}  # tables of state addresses
         self._scratch: dict[torch.device, torch.Tensor] = {}
 
     def _rounds(self, p: torch.Tensor) -> bool:
@@ -248,7 +259,16 @@ class FusedAdamW(torch.optim.AdamW):
         and so re-splits the same value: the state is unchanged but for that float32 rounding (and, on an exact
         tie, the equivalent other split). stochastic: adding 16 random bits below bf16's last bit and cutting
         them off rounds up with probability (w - round_down(w)) / step, signs included (sign-magnitude), inf and
-        nan kept; a skipped step's w is the bf16 weight itself, which this leaves unchanged."""
+        nan kept; a skipped step's w is the bf16 weight itself, which this leaves unchanged.
+        kahan on CUDA: the fused Triton kernel instead, where available (`_kahan_kernel`)."""
+        kernel = self._kahan_kernel(params)
+        if kernel is not None:
+            torch._foreach_add_(kernel.steps, 1)
+            kernel.step(grads, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                        grad_scale=divisor, found_inf=found_inf)  # fmt: skip
+            if found_inf is not None:
+                torch._foreach_sub_(kernel.steps, [found_inf] * len(kernel.steps))
+            return
         plan = self._plan(params)
         kahan = self.bf16_rounding == "kahan"
         gen = None if kahan else self._generator(params[0].device)
@@ -282,6 +302,34 @@ class FusedAdamW(torch.optim.AdamW):
                 torch._foreach_copy_(pw + pm + pv, w + m + v)
         if found_inf is not None:
             torch._foreach_sub_(plan.steps, [found_inf] * len(plan.steps))
+
+    def _kahan_kernel(self, params: list[torch.Tensor]) -> optim_kernels.KahanAdamW | None:
+        """The fused kahan step of these bf16 parameters (cached: tables of their state's addresses), or None where
+        the torch formulation runs: not kahan, `fused_kahan` off, not CUDA, or no Triton (said once)."""
+        if self.bf16_rounding != "kahan" or not self.fused_kahan:
+            return None
+        key = tuple(map(id, params))
+        if key not in self._kernels:
+            device = params[0].device
+            missing = optim_kernels.kernel_missing(device)
+            if missing is None and any(p.device != device for p in params):
+                missing = "parameters on several devices"
+            if missing is not None and device.type == "cuda":
+                warnings.warn(f"FusedAdamW: no fused kahan kernel ({missing}); the slower torch formulation runs",
+                              stacklevel=4)  # fmt: skip
+            self._kernels[key] = None if missing else optim_kernels.KahanAdamW(
+                params, *([self.state[p][k] for p in params] for k in ("kahan_comp", "exp_avg", "exp_avg_sq", "step"))
+            )  # fmt: skip
+        return self._kernels[key]
+
+    def _retable_kernels(self, lists, grads) -> None:
+        """Point the fused kahan kernels at these gradients now (before a capture: the graph replays the kernel
+        with the addresses its table holds; a new gradient tensor is why a graph is captured again)."""
+        for (params, *_), gs in zip(lists, grads, strict=True):
+            pick = [i for i, p in enumerate(params) if self._rounds(p)]
+            kernel = self._kahan_kernel([params[i] for i in pick]) if pick else None
+            if kernel is not None:
+                kernel.retable([gs[i] for i in pick])
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -365,6 +413,7 @@ class FusedAdamW(torch.optim.AdamW):
                 torch._foreach_zero_(flat_grads)
                 self._graph_warm, self._graph_grads, self._graph_hyper = True, flat_grads, hyper
                 return read_norm
+            self._retable_kernels(lists, grads)  # a host copy, which a capture cannot make
             try:
                 clip_graph, update_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 for gen in self._generators.values():  # stochastic rounding: each replay draws new bits
