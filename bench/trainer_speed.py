@@ -68,6 +68,11 @@ TITAN_CONFIGS = {
     "titan+compile+bf16": {"compile": True, **BF16},
     "titan+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, **BF16},
     # SDPA instead of flex for unpacked rows (cuDNN's fused attention first: DocumentMaskedSDPA).
+    # Flex attention with the bf16 / Kahan step (the vLLM stack's cuDNN rejects the SDPA backward: CUDNN_STATUS_BAD_PARAM)
+    "titan+chunked+compile+bf16+kahan": {"logprob_chunk_size": 4096, "compile": True, **KAHAN},
+    "titan+chunked+compile+bf16+kahan+graphopt": {
+        "logprob_chunk_size": 4096, "compile": True, "optimizer_cuda_graph": True, **KAHAN,
+    },
     "titan+chunked+compile+bf16+sdpa": {"logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", **BF16},
     "titan+chunked8k+compile+bf16+sdpa+keep": {
         "logprob_chunk_size": 8192, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True, **BF16,

@@ -138,7 +138,7 @@ def _cuda_run(fused: bool, graph: bool, steps: int) -> tuple[list[torch.Tensor],
 @needs_gpu
 def test_kernel_on_the_gpu_is_torchs_step_and_tracks_the_master():
     """On CUDA, the kernel's kahan step is the torch formulation's (torch's CUDA fused kernel on float32 scratch)
-    but for float32 rounding, eager and replayed from a CUDA graph; both track the float32 master at lr 1e-6."""
+    but for float32 roundings, eager and replayed from a CUDA graph; both track the float32 master at lr 1e-6."""
     steps = 100
     start = _flat(_weights().values()).cuda()
     end = _flat(_fp32_master_run(steps)).cuda()
@@ -150,8 +150,11 @@ def test_kernel_on_the_gpu_is_torchs_step_and_tracks_the_master():
         err, slope = _tracking(effective, (start, end))
         assert err < 0.03 and abs(slope - 1) < 0.01, (fused, graph, err, slope)
     (torch_p, torch_opt, torch_eff), (eager_p, eager_opt, eager_eff), (_, _, graph_eff) = runs.values()
-    torch.testing.assert_close(eager_eff, torch_eff, rtol=0, atol=1e-7)
-    torch.testing.assert_close(graph_eff, eager_eff, rtol=0, atol=1e-7)
+    # weight + comp differ by float32 roundings, which can flip the comp's own bf16 rounding (up to ~1e-5 on a
+    # norm weight ~1): measured against the size of the update, not elementwise.
+    update = float((end - start).norm())
+    assert float((eager_eff - torch_eff).norm()) / update < 0.003, float((eager_eff - torch_eff).norm()) / update
+    assert float((graph_eff - eager_eff).norm()) / update < 0.003, float((graph_eff - eager_eff).norm()) / update
     assert float((_flat(eager_p) != _flat(torch_p)).double().mean()) < 0.001
     for key in ("exp_avg", "exp_avg_sq"):
         a = _flat(eager_opt.state[p][key] for p in eager_p)

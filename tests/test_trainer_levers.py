@@ -140,10 +140,12 @@ def test_chunked_head_keeps_plain_logits_and_names(one_rank_group, base_model_di
 
 def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
     """The per-chunk functions that the compile lever hands to torch.compile (run eagerly here: compiling
-    changes code generation, not the math)."""
+    changes code generation, not the math). Full chunks take the static-shape compile, each shorter last chunk
+    the dynamic one (its row count changes with every micro-batch)."""
     import meshrl.models.logprobs as lp
 
-    monkeypatch.setattr(lp, "_compiled", lambda name: lp._FUSED[name])
+    calls = []
+    monkeypatch.setattr(lp, "_compiled", lambda name, full: calls.append((name, full)) or lp._FUSED[name])
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(2, 11, 16, generator=g).requires_grad_()
     weight = torch.randn(37, 16, generator=g).requires_grad_()
@@ -160,6 +162,12 @@ def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=ATOL)
+    # 2 x 10 rows in chunks of 6: 6, 6, 6, 2, forward and backward
+    assert calls == [("forward", True)] * 3 + [("forward", False)] + [("backward", True)] * 3 + [
+        ("backward", False)
+    ] + [("forward", True)] * 3 + [("forward", False)] + [("backward_in_place", True)] * 3 + [
+        ("backward_in_place", False)
+    ], calls
 
 
 def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_dir):

@@ -81,16 +81,19 @@ def _fused_backward_in_place(logits, lse, targets, g_out, t) -> None:
 
 
 _FUSED = {"forward": _fused_forward, "backward": _fused_backward, "backward_in_place": _fused_backward_in_place}
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple[str, bool], object] = {}
 
 
-def _compiled(name: str):
+def _compiled(name: str, full: bool):
     """torch.compile'd `_fused_forward` / `_fused_backward[_in_place]` (made on first use): the upcast, logsumexp,
     softmax and gradient of a [chunk, V] block in one read of the compute-dtype logits instead of ~6 float32
-    passes."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_FUSED[name], dynamic=False)
-    return _COMPILED[name]
+    passes. Full chunks (`full`: chunk_size rows) get a static-shape compile; every last, shorter chunk one
+    dynamic compile: its row count changes with each micro-batch, and static compiles of each hit dynamo's
+    recompile limit (8) within a GRPO step, the later shapes then running eager."""
+    key = (name, full)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_FUSED[name], dynamic=not full)
+    return _COMPILED[key]
 
 
 class _ChunkedLinearLogprobs(torch.autograd.Function):
@@ -108,7 +111,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             rows = slice(s, s + chunk_size)
             logits = _project(hidden[rows], weight, bias, None if kept is None else kept[rows])
             if fused:
-                out[s : s + chunk_size], lse[s : s + chunk_size] = _compiled("forward")(
+                out[s : s + chunk_size], lse[s : s + chunk_size] = _compiled("forward", logits.shape[0] == chunk_size)(
                     logits, targets[s : s + chunk_size], temperature
                 )
             else:
@@ -134,7 +137,9 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             for s in range(0, hidden.shape[0], c):
                 rows = slice(s, s + c)
                 if ctx.fused:
-                    _compiled("backward_in_place")(kept[rows], lse[rows], targets[rows], grad_out[rows], t)
+                    _compiled("backward_in_place", kept[rows].shape[0] == c)(
+                        kept[rows], lse[rows], targets[rows], grad_out[rows], t
+                    )
                 else:
                     g = _logits_grad(kept[rows], lse[rows], targets[rows], grad_out[rows], t)
                     if grad_b is not None:
@@ -151,7 +156,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             h = hidden[rows]
             logits = _project(h, weight, bias, None)
             if ctx.fused:
-                g = _compiled("backward")(logits, lse[rows], targets[rows], grad_out[rows], t)
+                g = _compiled("backward", logits.shape[0] == c)(logits, lse[rows], targets[rows], grad_out[rows], t)
             else:
                 g = _logits_grad(logits, lse[rows], targets[rows], grad_out[rows], t)
                 if grad_b is not None:
