@@ -20,7 +20,8 @@ Q head dim, T sequence length: the attention term as torchtitan counts it) x tok
 
 Numerics: '+bf16' configs train pure bf16 weights and AdamW state with each update rounded to nearest (as the bare
 loops do; at lr ~1e-6 most updates round away), '+kahan' ones the same with compensated summation
-(meshrl.optim.FusedAdamW, bf16_rounding='kahan': safe, ~7 more memory passes over the weights per step), the rest
+(meshrl.optim.FusedAdamW, bf16_rounding='kahan': safe; on CUDA one fused Triton kernel, ~0.7 ms more than nearest
+at 0.6B, bench/kahan_kernel.py), the rest
 float32 masters (the default). `--configs plain-titan,titan+chunked+compile+sdpa+keep,titan+chunked+compile+bf16+
 sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+kahan` sets the three beside the bare loop.
 
@@ -67,12 +68,12 @@ TITAN_CONFIGS = {
     # The bare loop's recipe: bf16 weights and AdamW state, no gradient clipping (the `noclip` suffix).
     "titan+compile+bf16": {"compile": True, **BF16},
     "titan+chunked+compile+bf16": {"logprob_chunk_size": 4096, "compile": True, **BF16},
-    # SDPA instead of flex for unpacked rows (cuDNN's fused attention first: DocumentMaskedSDPA).
-    # Flex attention with the bf16 / Kahan step (the vLLM stack's cuDNN rejects the SDPA backward: CUDNN_STATUS_BAD_PARAM)
+    # Flex attention with the Kahan step (the torch 2.14 stack's cuDNN fails the SDPA backward: CUDNN_STATUS_BAD_PARAM)
     "titan+chunked+compile+bf16+kahan": {"logprob_chunk_size": 4096, "compile": True, **KAHAN},
     "titan+chunked+compile+bf16+kahan+graphopt": {
         "logprob_chunk_size": 4096, "compile": True, "optimizer_cuda_graph": True, **KAHAN,
     },
+    # SDPA instead of flex for unpacked rows (cuDNN's fused attention first: DocumentMaskedSDPA).
     "titan+chunked+compile+bf16+sdpa": {"logprob_chunk_size": 4096, "compile": True, "attn_backend": "sdpa", **BF16},
     "titan+chunked8k+compile+bf16+sdpa+keep": {
         "logprob_chunk_size": 8192, "compile": True, "attn_backend": "sdpa", "logprob_keep_logits": True, **BF16,
