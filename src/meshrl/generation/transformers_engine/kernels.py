@@ -80,19 +80,29 @@ def _decode_kernel():
 
 
 def decode_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, length: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    length: int,
+    scale: float,
+    *,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    min_programs: int = 1024,
 ) -> torch.Tensor:
     """q [B, H, D] (the new token of each row), caches [slots, Hkv, max_len, D] (rows [0, B) used), pos [B]: row
     b attends to keys [0, pos[b]] (its new key already written). `length` (>= every pos + 1) sizes the work split.
-    Returns [B, H, D] in q's dtype. GQA: query head h reads kv head h // (H / Hkv)."""
+    Returns [B, H, D] in q's dtype. GQA: query head h reads kv head h // (H / Hkv). The keyword arguments are the
+    launch's tuning (bench/decode_attention.py sweeps them)."""
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention_triton needs the last dimension contiguous")
-    block_n = 64
     # Enough programs to fill the GPU: with few rows, split each row's keys over several programs.
-    split = max(1, min(-(-length // 256), -(-1024 // max(1, B * Hkv))))
+    split = max(1, min(-(-length // 256), -(-min_programs // max(1, B * Hkv))))
     per_split = -(-length // split)
     chunk = -(-per_split // block_n) * block_n
     if split > 1:
@@ -108,7 +118,7 @@ def decode_attention_triton(
         lse.stride(0) if split > 1 else 0, lse.stride(1) if split > 1 else 0, chunk,
         G=G, D=D, BLOCK_G=max(16, triton_next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
         IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split == 1:
         return out[:, :, 0]

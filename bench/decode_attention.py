@@ -1,0 +1,108 @@
+"""The transformers engine's decode attention kernel alone (meshrl.generation.transformers_engine.kernels), one GPU:
+its launch tuning swept against the current default and against torch's SDPA on the same cache, at the long-
+context decode of the 16 x 8 x 2048 GRPO job (128 rows, Qwen3-0.6B's 16 query / 8 kv heads of 128, bf16).
+
+    python bench/decode_attention.py            # on the GPU
+    python bench/decode_attention.py --tiny     # smoke test of the script (Triton's interpreter on CPU: not a result)
+
+Each row: median time of one layer's decode attention over `--iters` launches, the bytes of K and V it must read
+(rows x kv heads x context x head dim x 2 tensors x 2 bytes) over that time, and the ratio to the default launch at
+that context. The default is what `decode_attention_triton` uses without keyword arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+import sys
+
+import torch
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+from common import environment, median, print_table, write_json  # noqa: E402
+
+from meshrl.generation.transformers_engine.kernels import decode_attention_triton  # noqa: E402
+
+
+def time_ms(fn, iters: int, dev: torch.device) -> float:
+    fn()
+    if dev.type != "cuda":
+        return float("nan")
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="small shapes, Triton's interpreter on CPU (a smoke test)")
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--contexts", default="512,1024,2048", help="comma-separated context lengths")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    rows, heads, kv_heads, dim = (args.rows, 16, 8, 128) if not args.tiny else (2, 4, 2, 16)
+    contexts = [int(c) for c in args.contexts.split(",")] if not args.tiny else [40]
+    max_len = max(contexts) + 32
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    gen = torch.Generator(dev).manual_seed(0)
+    k_cache = torch.randn(rows, kv_heads, max_len, dim, generator=gen, device=dev, dtype=dtype)
+    v_cache = torch.randn(rows, kv_heads, max_len, dim, generator=gen, device=dev, dtype=dtype)
+    q = torch.randn(rows, heads, dim, generator=gen, device=dev, dtype=dtype)
+    scale = dim**-0.5
+    grid = (
+        [dict(block_n=bn, num_warps=w, num_stages=st, min_programs=mp)
+         for bn, w, st, mp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1024, 4096))]
+        if not args.tiny else [dict(block_n=16, num_warps=1, num_stages=1, min_programs=1)]
+    )  # fmt: skip
+    table = []
+    for context in contexts:
+        pos = torch.full((rows,), context - 1, dtype=torch.int64, device=dev)
+        bytes_read = rows * kv_heads * context * dim * 2 * k_cache.element_size()
+        attend = functools.partial(decode_attention_triton, q, k_cache, v_cache, pos, context, scale)
+        ref = attend()
+        default_ms = time_ms(attend, args.iters, dev)
+        sdpa = functools.partial(
+            torch.nn.functional.scaled_dot_product_attention,
+            q.view(rows, kv_heads, heads // kv_heads, dim), k_cache[:, :, :context], v_cache[:, :, :context],
+            scale=scale,
+        )  # fmt: skip
+        here = [
+            dict(launch="default", ms=default_ms, max_err=0.0),
+            dict(launch="torch sdpa", ms=time_ms(sdpa, args.iters, dev), max_err=None),
+        ]
+        for cfg in grid:
+            launch = functools.partial(attend, **cfg)
+            err = float((launch().float() - ref.float()).abs().max())
+            here.append(dict(launch=cfg, ms=time_ms(launch, args.iters, dev), max_err=err))
+        for r in here:
+            r["context"] = context
+            r["GB/s"] = bytes_read / (r["ms"] / 1e3) / 1e9 if r["ms"] == r["ms"] else None
+            r["x default"] = default_ms / r["ms"] if r["ms"] == r["ms"] else None
+        table += here
+    best = {}
+    for r in table:
+        if isinstance(r["launch"], dict) and (r["context"] not in best or r["ms"] < best[r["context"]]["ms"]):
+            best[r["context"]] = r
+    shown = [r for r in table if not isinstance(r["launch"], dict)] + list(best.values())
+    shown.sort(key=lambda r: r["context"])
+    print_table(
+        f"Decode attention, {rows} rows, {heads}/{kv_heads} x {dim}, {environment()['device']}, best of the sweep",
+        ["context", "launch", "ms", "GB/s", "x default", "max err"],
+        [[r["context"], str(r["launch"]), r["ms"], r["GB/s"], r["x default"], r["max_err"]] for r in shown],
+    )
+    print(f"\nwrote {write_json('decode_attention', {'env': environment(), 'args': vars(args), 'rows': table})}")
+
+
+if __name__ == "__main__":
+    main()
