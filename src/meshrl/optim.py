@@ -261,18 +261,22 @@ class FusedAdamW(torch.optim.AdamW):
         them off rounds up with probability (w - round_down(w)) / step, signs included (sign-magnitude), inf and
         nan kept; a skipped step's w is the bf16 weight itself, which this leaves unchanged.
         kahan on CUDA: the fused Triton kernel instead, where available (`_kahan_kernel`)."""
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
         kernel = self._kahan_kernel(params)
+        plan = self._plan(params) if kernel is None else None
+        steps = kernel.steps if kernel is not None else plan.steps
+        torch._foreach_add_(steps, 1)
         if kernel is not None:
-            torch._foreach_add_(kernel.steps, 1)
-            kernel.step(grads, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                        grad_scale=divisor, found_inf=found_inf)  # fmt: skip
-            if found_inf is not None:
-                torch._foreach_sub_(kernel.steps, [found_inf] * len(kernel.steps))
-            return
-        plan = self._plan(params)
+            kernel.step(grads, **hyper, grad_scale=divisor, found_inf=found_inf)
+        else:
+            self._chunked_step(plan, params, grads, divisor, found_inf, **hyper)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+    def _chunked_step(self, plan, params, grads, divisor, found_inf, *, lr, beta1, beta2, weight_decay, eps) -> None:
+        """`_rounded_step`'s torch formulation: torch's fused kernel on float32 scratch, one chunk at a time."""
         kahan = self.bf16_rounding == "kahan"
         gen = None if kahan else self._generator(params[0].device)
-        torch._foreach_add_(plan.steps, 1)
         for chunk in plan.chunks:
             gs = [grads[i] if a is None else grads[i].reshape(-1)[a:b] for i, a, b in chunk.slices]
             (w, comp, g, m, v), (pw, pm, pv, *pc), (w_row, comp_row, narrow_row) = chunk.wide, chunk.state, chunk.flat
@@ -300,8 +304,6 @@ class FusedAdamW(torch.optim.AdamW):
                 noise.random_(0, 1 << 16, generator=gen)
                 bits.add_(noise).bitwise_and_(-(1 << 16))
                 torch._foreach_copy_(pw + pm + pv, w + m + v)
-        if found_inf is not None:
-            torch._foreach_sub_(plan.steps, [found_inf] * len(plan.steps))
 
     def _kahan_kernel(self, params: list[torch.Tensor]) -> optim_kernels.KahanAdamW | None:
         """The fused kahan step of these bf16 parameters (cached: tables of their state's addresses), or None where
