@@ -356,6 +356,68 @@ def test_decode_attention_sdpa_matches_matmul(setup):
         other.shutdown()
 
 
+def _fp8_reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """What the engine computes with an fp8 cache, as one forward over prompt + completion: prompt positions attend
+    exactly (the engine's prefill), later ones over keys / values rounded to fp8 (its decode steps)."""
+    from meshrl.generation.transformers_engine.kernels import dequantize_kv, quantize_kv
+
+    def attend(k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, k, v, is_causal=True, scale=scaling, enable_gqa=True
+        )
+
+    exact = attend(key, value)
+    rounded = attend(dequantize_kv(*quantize_kv(key), key.dtype), dequantize_kv(*quantize_kv(value), value.dtype))
+    out = torch.cat([exact[:, :, : _FP8_PROMPT_LEN[0]], rounded[:, :, _FP8_PROMPT_LEN[0] :]], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_FP8_PROMPT_LEN = [0]
+
+
+@pytest.mark.parametrize("attn_impl", ["matmul", "sdpa"])
+def test_fp8_kv_cache(setup, attn_impl):
+    """kv_cache_dtype='fp8': the cache holds e4m3 keys / values with a float32 scale per (token, kv head), a
+    quarter of the float32 cache's bytes per slot plus the scales. Greedy decoding over it gives the logprobs of a
+    transformers forward whose decode positions attend over the same rounded keys / values, and those differ from
+    the exact model's (the rounding is really there); a sleep / wake-up cycle re-makes the cache and its scales."""
+    engine, model, _ = setup
+    other = HFEngine(
+        engine.model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attn_impl=attn_impl, kv_cache_dtype="fp8"
+    )
+    transformers.AttentionInterface.register("fp8_reference", _fp8_reference_attention)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        engine.model_dir, attn_implementation="fp8_reference"
+    ).eval()
+    try:
+        assert other.runner.kv.dtype == torch.float8_e4m3fn and other.runner.kv_scale.dtype == torch.float32
+        D = model.config.head_dim
+        assert other.kv_cache_bytes * 4 * D == engine.kv_cache_bytes * (D + 4)  # same slots, fp8 + scale per vector
+        out = other.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), 0)
+        to_exact = []
+        for prompt, comps in zip(PROMPTS, out, strict=True):
+            c = comps[0]
+            _FP8_PROMPT_LEN[0] = len(prompt)
+            ref = _hf_logprobs(reference, prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=ATOL, rtol=0)
+            to_exact.append((ref - _hf_logprobs(model, prompt, c.token_ids)).abs().max())
+        assert max(to_exact) > 1e-2  # fp8's rounding moves them (0.33 at most here)
+        other.sleep(1)
+        other.wake_up()
+        again = other.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0), 0)
+        assert [g[0].token_ids for g in again] == [g[0].token_ids for g in out]
+    finally:
+        other.shutdown()
+
+
+def test_fp8_kv_cache_config_errors():
+    from meshrl.errors import ConfigError
+    from meshrl.generation.hf_engine import TransformersEngineConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):
+        TransformersEngineConfig(kv_cache_dtype="int8")  # type: ignore[arg-type]
+
+
 _TRITON_CHECK = """
 import os
 import torch
@@ -372,6 +434,16 @@ for B, S, Hkv, G, L, D in [(3, 4, 2, 2, 100, 32), (2, 2, 8, 2, 384, 128), (40, 4
     ref = (p @ vc[:B]).reshape(B, Hkv * G, D)
     err = (decode_attention_triton(q, kc, vc, pos, L, D**-0.5) - ref).abs().max().item()
     assert err < 1e-5, (B, S, Hkv, G, L, D, err)
+    # an fp8 cache (keys far from 1, values far below it) against the same formulation over its dequantized values
+    from meshrl.generation.transformers_engine.kernels import dequantize_kv, quantize_kv
+    (k8, ks), (v8, vs) = quantize_kv(kc * 50), quantize_kv(vc * 1e-3)
+    kd, vd = dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32)
+    assert (kd - kc * 50).abs().max() < 0.04 * (kc * 50).abs().max()
+    p = torch.softmax(q.reshape(B, Hkv, G, D) @ kd[:B].transpose(-1, -2) * D**-0.5 / 50 + bias[:, None, None], -1)
+    ref = (p @ vd[:B]).reshape(B, Hkv * G, D)
+    got = decode_attention_triton(q / 50, k8, v8, pos, L, D**-0.5, k_scale=ks, v_scale=vs)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, ("fp8", B, S, Hkv, G, L, D, err)
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from meshrl.generation.hf_engine import rmsnorm_triton
 for shape in [(5, 1024), (3, 7, 16, 128), (2, 48)]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from meshrl.generation.transformers_engine.kernels import decode_attention_triton
+from meshrl.generation.transformers_engine.kernels import decode_attention_triton, dequantize_kv, quantize_kv
 
 ATTN_NAME = "meshrl_kv"
 
@@ -25,6 +25,8 @@ class AttentionContext:
     mode: str = "full"  # "full" (no cache), "prefill" (write rows `slots`), "decode" (write at `pos`)
     k: list[torch.Tensor] = []
     v: list[torch.Tensor] = []
+    k_scale: list[torch.Tensor] = []  # fp8 cache: per layer, float32 [slots, Hkv, L], one per (token, kv head)
+    v_scale: list[torch.Tensor] = []  # (empty lists: the cache holds the model's dtype)
     slots: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     pos: torch.Tensor | None = None
@@ -57,34 +59,45 @@ def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         kc, vc = ctx.k[li], ctx.v[li]  # [S, Hkv, L, D]
         B, H, _, D = query.shape
         Hkv = kc.shape[1]
-        kc[ctx.rows, :, ctx.pos] = key[:, :, 0]
-        vc[ctx.rows, :, ctx.pos] = value[:, :, 0]
+        _write(ctx, li, (ctx.rows, slice(None), ctx.pos), key[:, :, 0], value[:, :, 0])
         scale = scaling if scaling is not None else D**-0.5
         if ctx.attn_impl == "triton":
-            out = decode_attention_triton(query[:, :, 0], kc, vc, ctx.pos, ctx.length, scale)
+            scales = {"k_scale": ctx.k_scale[li], "v_scale": ctx.v_scale[li]} if ctx.k_scale else {}
+            out = decode_attention_triton(query[:, :, 0], kc, vc, ctx.pos, ctx.length, scale, **scales)
             return out.reshape(B, 1, H, D), None
+        k, v = kc[:B, :, : ctx.length], vc[:B, :, : ctx.length]
+        if ctx.k_scale:
+            k = dequantize_kv(k, ctx.k_scale[li][:B, :, : ctx.length], query.dtype)
+            v = dequantize_kv(v, ctx.v_scale[li][:B, :, : ctx.length], query.dtype)
         if ctx.attn_impl == "sdpa":  # the G query heads of a kv head as G query positions: MHA over Hkv heads
             q = query.reshape(B, Hkv, H // Hkv, D)
             mask = ctx.bias[:, None, None, :].to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, kc[:B, :, : ctx.length], vc[:B, :, : ctx.length], attn_mask=mask, scale=scale
-            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             return out.reshape(B, 1, H, D), None
-        k = kc[:B, :, : ctx.length]
-        v = vc[:B, :, : ctx.length]
         q = query.reshape(B, Hkv, H // Hkv, D)  # query head h reads kv head h // (H / Hkv), as repeat_kv
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
         probs = torch.softmax(scores + ctx.bias[:, None, None, :], dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [B, Hkv, G, D]
         return out.reshape(B, 1, H, D), None
     if ctx.mode == "prefill":
-        li = module.layer_idx
-        T = key.shape[2]
-        ctx.k[li][ctx.slots, :, :T] = key
-        ctx.v[li][ctx.slots, :, :T] = value
+        _write(ctx, module.layer_idx, (ctx.slots, slice(None), slice(0, key.shape[2])), key, value)
     # Causal attention over the (right-padded) rows themselves: padding only follows the real tokens.
     out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _write(ctx: AttentionContext, layer: int, index: tuple, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store keys / values [..., D] at `index` of layer `layer`'s caches (quantized, with their scales, in fp8)."""
+    if ctx.k_scale:
+        (key, k_scale), (value, v_scale) = quantize_kv(key), quantize_kv(value)
+        ctx.k_scale[layer][index] = k_scale
+        ctx.v_scale[layer][index] = v_scale
+        # as bytes: fp8 tensors have no index_put kernel on every torch build
+        ctx.k[layer].view(torch.uint8)[index] = key.view(torch.uint8)
+        ctx.v[layer].view(torch.uint8)[index] = value.view(torch.uint8)
+        return
+    ctx.k[layer][index] = key
+    ctx.v[layer][index] = value
 
 
 def register_attention() -> None:

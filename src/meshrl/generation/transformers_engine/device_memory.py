@@ -362,18 +362,22 @@ class RemappableBuffer:
         torch.cuda.synchronize(self.device_index)
         self._state.unmap()
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of `shape` / `dtype` at the start of the range (zero-copy; call while mapped). It
-        stays valid across unmap / map but must not be read or written while unmapped."""
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """A contiguous tensor of `shape` / `dtype` at `offset` bytes into the range (zero-copy; call while
+        mapped). It stays valid across unmap / map but must not be read or written while unmapped."""
         if not self.mapped:
             raise RuntimeError("RemappableBuffer.tensor: map() first")
         shape = tuple(int(s) for s in shape)
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if nbytes > self.nbytes:
-            raise ValueError(f"a {tuple(shape)} {dtype} tensor needs {nbytes} bytes; the buffer has {self.nbytes}")
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * size
+        if offset < 0 or offset % size or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"a {tuple(shape)} {dtype} tensor at offset {offset} needs bytes [{offset}, {offset + nbytes}) "
+                f"(offset a multiple of {size}); the buffer has {self.nbytes}"
+            )
         device = torch.device("cuda", self.device_index)
         raw = torch.as_tensor(_ArrayView(self, self.nbytes), device=device)
         if raw.data_ptr() != self.address or raw.device != device or raw.dtype != torch.uint8:
@@ -381,8 +385,8 @@ class RemappableBuffer:
                 f"torch.as_tensor did not wrap the buffer in place (data_ptr {raw.data_ptr():#x}, device "
                 f"{raw.device}, {raw.dtype}; the buffer is at {self.address:#x} on {device})"
             )
-        out = raw[:nbytes].view(dtype).view(shape)
-        assert out.data_ptr() == self.address and out.is_contiguous()
+        out = raw[offset : offset + nbytes].view(dtype).view(shape)
+        assert out.data_ptr() == self.address + offset and out.is_contiguous()
         return out
 
     def close(self) -> None:

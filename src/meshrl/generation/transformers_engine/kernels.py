@@ -9,6 +9,20 @@ import types
 import torch
 
 _NEG_INF = float("-inf")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (fp8 e4m3 [..., D], float32 scale [...]) with x ~= fp8 * scale[..., None]: each vector over
+    its own largest magnitude, so no model's keys or values overflow e4m3's range (a per-tensor scale of 1, vLLM's
+    default, turns |x| > 448 into NaN) and small ones keep 3 mantissa bits instead of falling into subnormals."""
+    scale = x.abs().amax(-1).float().clamp_min(1e-30) / FP8_MAX
+    return (x.float() / scale[..., None]).to(FP8), scale
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale[..., None]).to(dtype)
 
 
 # decode attention as one Triton kernel (GPU): each program reads one (row, kv head)'s keys and values once, for
@@ -26,10 +40,10 @@ def _decode_kernel():
 
     @triton.jit
     def kernel(
-        Q, K, V, POS, OUT, LSE, scale,
-        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh, sos, slb, slh,
+        Q, K, V, KS, VS, POS, OUT, LSE, scale,
+        sqb, sqh, skb, skh, skn, svb, svh, svn, sob, soh, sos, slb, slh, ssb, ssh,
         CHUNK, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        SPLIT: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -52,20 +66,28 @@ def _decode_kernel():
             n = n0 + offs_n
             nmask = n < end
             k = tl.load(kbase + n[:, None] * skn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if QUANT:  # fp8 cache: a key's scale multiplies its whole dot product, so it is applied after the dot
+                k = k.to(q.dtype)
             if IEEE:  # float32 engines: no TF32 rounding in the dots
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 qk = tl.dot(q, tl.trans(k)) * scale
+            if QUANT:
+                qk = qk * tl.load(KS + b * ssb + kh * ssh + n, mask=nmask, other=0.0)[None, :]
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp(qk - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vbase + n[:, None] * svn + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            pv = p
+            if QUANT:  # and a value's scale its row of p
+                v = v.to(q.dtype)
+                pv = p * tl.load(VS + b * ssb + kh * ssh + n, mask=nmask, other=0.0)[None, :]
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
             m_i = m_new
         nonempty = l_i > 0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -87,6 +109,8 @@ def decode_attention_triton(
     length: int,
     scale: float,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -94,13 +118,19 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """q [B, H, D] (the new token of each row), caches [slots, Hkv, max_len, D] (rows [0, B) used), pos [B]: row
     b attends to keys [0, pos[b]] (its new key already written). `length` (>= every pos + 1) sizes the work split.
-    Returns [B, H, D] in q's dtype. GQA: query head h reads kv head h // (H / Hkv). The keyword arguments are the
-    launch's tuning (bench/decode_attention.py sweeps them)."""
+    Returns [B, H, D] in q's dtype. GQA: query head h reads kv head h // (H / Hkv). fp8 caches
+    (`quantize_kv`) come with their float32 scales `k_scale` / `v_scale` [slots, Hkv, max_len] (same strides for
+    both). The keyword arguments below them are the launch's tuning (bench/decode_attention.py sweeps them)."""
     B, H, D = q.shape
     Hkv = k_cache.shape[1]
     G = H // Hkv
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention_triton needs the last dimension contiguous")
+    quant = k_cache.dtype == FP8
+    if quant and (k_scale is None or v_scale is None or k_scale.stride() != v_scale.stride()):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale of equal strides")
+    if quant and (k_scale.stride(-1) != 1 or k_scale.dtype != torch.float32):
+        raise ValueError("k_scale / v_scale must be float32 with the last dimension contiguous")
     # Enough programs to fill the GPU: with few rows, split each row's keys over several programs.
     split = max(1, min(-(-length // 256), -(-min_programs // max(1, B * Hkv))))
     per_split = -(-length // split)
@@ -111,13 +141,15 @@ def decode_attention_triton(
     else:
         out = torch.empty(B, H, 1, D, dtype=q.dtype, device=q.device)
         lse = out  # unused
+    ks, vs = (k_scale, v_scale) if quant else (pos, pos)  # unused without QUANT
     _decode_kernel()[(B, Hkv, split)](
-        q, k_cache, v_cache, pos, out, lse, float(scale),
+        q, k_cache, v_cache, ks, vs, pos, out, lse, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0) if split > 1 else 0, lse.stride(1) if split > 1 else 0, chunk,
+        lse.stride(0) if split > 1 else 0, lse.stride(1) if split > 1 else 0,
+        ks.stride(0) if quant else 0, ks.stride(1) if quant else 0, chunk,
         G=G, D=D, BLOCK_G=max(16, triton_next_pow2(G)), BLOCK_N=block_n, SPLIT=split,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split == 1:
@@ -188,17 +220,28 @@ def triton_decode_supported(head_dim: int, group: int) -> str | None:
 
 
 def check_triton_attention(
-    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, max_len: int
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    fp8: bool = False,
 ) -> str | None:
-    """Triton decode attention against the matmul formulation on random data of this model's shapes: None if it
-    agrees, else why not."""
+    """Triton decode attention against the matmul formulation on random data of this model's shapes (with `fp8`:
+    on a quantized cache, against the matmul over its dequantized values): None if it agrees, else why not."""
     try:
         g = torch.Generator(device=device).manual_seed(0)
         B, L, H, Hkv, D = 5, min(max_len, 300), heads, kv_heads, head_dim
         kc, vc = (torch.randn(B, Hkv, L, D, generator=g, device=device, dtype=dtype) for _ in "kv")
         q = torch.randn(B, H, D, generator=g, device=device, dtype=dtype)
         pos = torch.tensor([0, 1, L // 2, L - 2, L - 1][:B], device=device)
-        got = decode_attention_triton(q, kc, vc, pos, L, D**-0.5).float()
+        if fp8:
+            (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
+            kc, vc = dequantize_kv(k8, ks, dtype), dequantize_kv(v8, vs, dtype)
+            got = decode_attention_triton(q, k8, v8, pos, L, D**-0.5, k_scale=ks, v_scale=vs).float()
+        else:
+            got = decode_attention_triton(q, kc, vc, pos, L, D**-0.5).float()
         bias = torch.where(torch.arange(L, device=device)[None] <= pos[:, None], 0.0, _NEG_INF)
         qq = q.float().reshape(B, Hkv, H // Hkv, D)
         probs = torch.softmax(qq @ kc.float().transpose(-1, -2) * D**-0.5 + bias[:, None, None], -1)
@@ -235,9 +278,12 @@ def fuse_norms(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
 
 
 __all__ = [
+    "FP8",
     "check_triton_attention",
+    "dequantize_kv",
     "decode_attention_triton",
     "fuse_norms",
+    "quantize_kv",
     "rmsnorm_triton",
     "triton_decode_supported",
     "triton_next_pow2",

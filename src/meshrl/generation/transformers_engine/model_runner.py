@@ -38,7 +38,12 @@ from meshrl.generation.transformers_engine.device_memory import (
     mapped_bytes,
     vmm_supported,
 )
-from meshrl.generation.transformers_engine.kernels import check_triton_attention, fuse_norms, triton_decode_supported
+from meshrl.generation.transformers_engine.kernels import (
+    FP8,
+    check_triton_attention,
+    fuse_norms,
+    triton_decode_supported,
+)
 from meshrl.generation.transformers_engine.sampler import sample, uniform_noise, uniform_noise_torch
 from meshrl.generation.transformers_engine.scheduler import Compaction, Decode, Prefill
 from meshrl.generation.transformers_engine.sequence import Sequence
@@ -102,8 +107,10 @@ class ModelRunner:
         self._heads = heads
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        per_slot = 2 * self.num_layers * self.kv_heads * self.max_model_len * self.head_dim
-        per_slot *= torch.finfo(torch_dtype).bits // 8
+        self.kv_fp8 = config.kv_cache_dtype == "fp8"
+        self.kv_dtype = FP8 if self.kv_fp8 else torch_dtype
+        per_token = self.head_dim * torch.finfo(self.kv_dtype).bits // 8 + (4 if self.kv_fp8 else 0)  # + scale
+        per_slot = 2 * self.num_layers * self.kv_heads * self.max_model_len * per_token
         budget = self._kv_budget(kv_cache_memory_bytes)
         slots = min(int(max_num_seqs), budget // per_slot)
         if slots < 1:
@@ -116,21 +123,24 @@ class ModelRunner:
         self.kv_cache_bytes = per_slot * slots
         self._ctx = AttentionContext()
         self.kv: torch.Tensor | None = None  # None while asleep (also with VMM: its addresses have no memory then)
+        self.kv_scale: torch.Tensor | None = None  # fp8: float32 [2, layers, slots, kv_heads, max_model_len]
         self.logits_buf: torch.Tensor | None = None
         self._kv_mem: RemappableBuffer | None = None  # the cache's reserved addresses (VMM), or None
         self._kv_view: torch.Tensor | None = None  # the cache tensor over them, kept while asleep
+        self._scale_view: torch.Tensor | None = None  # and the fp8 scales' tensor
         self.asleep_kept_bytes = 0  # device memory a sleep left besides the weights (free_cache)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (batch, length, device loop)
         self._graph_pool = None
         if self.kv_vmm_fallback is None:
             try:
-                self._kv_mem = RemappableBuffer(self.kv_cache_bytes, self._device_index())
+                # + 256: the fp8 scales start 256-byte aligned
+                self._kv_mem = RemappableBuffer(self.kv_cache_bytes + 256, self._device_index())
                 self.allocate_cache()
             except Exception as e:  # noqa: BLE001 - unless required: a torch-allocated cache, and say why
                 if config.remappable_kv_cache:
                     raise
-                self.kv = self._kv_view = None
-                self._ctx.k, self._ctx.v = [], []
+                self.kv = self._kv_view = self.kv_scale = None
+                self._set_context_cache()
                 if self._kv_mem is not None:
                     self._kv_mem.close()
                     self._kv_mem = None
@@ -200,7 +210,13 @@ class ModelRunner:
         why = triton_decode_supported(self.head_dim, self._heads // self.kv_heads)
         if why is None:
             why = check_triton_attention(
-                self.device, self.torch_dtype, self._heads, self.kv_heads, self.head_dim, self.max_model_len
+                self.device,
+                self.torch_dtype,
+                self._heads,
+                self.kv_heads,
+                self.head_dim,
+                self.max_model_len,
+                fp8=self.kv_fp8,
             )
         if why is None:
             return "triton"
@@ -233,6 +249,7 @@ class ModelRunner:
         so CUDA graphs kept by `free_cache(keep_graphs=True)` stay valid; else a new tensor, and graphs are
         captured again on first use."""
         shape = (2, self.num_layers, self.num_slots, self.kv_heads, self.max_model_len, self.head_dim)
+        scale_shape = shape[:-1]
         if self._kv_mem is not None:
             try:
                 self._kv_mem.map()
@@ -242,14 +259,35 @@ class ModelRunner:
                 self._release_memory()  # blocks torch's allocator keeps cached, as a torch allocation would
                 self._kv_mem.map()
             if self._kv_view is None:
-                self._kv_view = self._kv_mem.tensor(shape, self.torch_dtype)
-            self._kv_view.zero_()  # new physical memory holds anything (a NaN would leak through masked attention)
-            self.kv = self._kv_view
+                self._kv_view = self._kv_mem.tensor(shape, self.kv_dtype)
+                if self.kv_fp8:  # the scales follow the fp8 values in the same reserved range
+                    offset = -(-self._kv_view.nbytes // 256) * 256
+                    self._scale_view = self._kv_mem.tensor(scale_shape, torch.float32, offset=offset)
+            # New physical memory holds anything (a NaN would leak through masked attention): zero it, as bytes
+            # (fp8 tensors have no fill kernel on every torch build).
+            self._kv_mem.tensor((self._kv_mem.nbytes,), torch.uint8).zero_()
+            self.kv, self.kv_scale = self._kv_view, self._scale_view
         else:
-            self.kv = torch.zeros(shape, dtype=self.torch_dtype, device=self.device)
-        self._ctx.k, self._ctx.v = list(self.kv[0]), list(self.kv[1])
+            self.kv = torch.zeros(shape, dtype=torch.uint8 if self.kv_fp8 else self.kv_dtype, device=self.device)
+            self.kv = self.kv.view(self.kv_dtype)
+            self.kv_scale = torch.zeros(scale_shape, device=self.device) if self.kv_fp8 else None
+        self._set_context_cache()
         if self.logits_buf is None:
             self.logits_buf = torch.zeros(self.num_slots, self.vocab_size, dtype=self.torch_dtype, device=self.device)
+
+    def _set_context_cache(self) -> None:
+        """Point the attention context at the cache's per-layer tensors (none while it is freed)."""
+        self._ctx.k, self._ctx.v = (list(self.kv[0]), list(self.kv[1])) if self.kv is not None else ([], [])
+        scale = self.kv_scale
+        self._ctx.k_scale, self._ctx.v_scale = (list(scale[0]), list(scale[1])) if scale is not None else ([], [])
+
+    def _copy_slots(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Copy the first `length` positions of the cache's slots `src` to slots `dst` (as bytes: fp8 tensors
+        have no index_put kernel on every torch build)."""
+        kv = self.kv.view(torch.uint8) if self.kv_fp8 else self.kv
+        kv[:, :, dst, :, :length] = kv[:, :, src, :, :length]
+        if self.kv_scale is not None:
+            self.kv_scale[:, :, dst, :, :length] = self.kv_scale[:, :, src, :, :length]
 
     def free_cache(self, keep_graphs: bool = False) -> None:
         """Give the KV cache's memory back to the device. Idempotent (a deeper sleep calls it again).
@@ -266,8 +304,8 @@ class ModelRunner:
             self._graphs.clear()
             self._graph_pool = None
             self.logits_buf = None
-        self.kv = None
-        self._ctx.k, self._ctx.v = [], []
+        self.kv = self.kv_scale = None
+        self._set_context_cache()
         if self._kv_mem is not None:
             self._kv_mem.unmap()  # waits for the device first; self._kv_view stays, over addresses without memory
         self._release_memory()
@@ -314,7 +352,7 @@ class ModelRunner:
             T = step.copy_len
             dst = torch.tensor([d for d, _ in step.copies], device=self.device)
             src = torch.tensor([s for _, s in step.copies], device=self.device)
-            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+            self._copy_slots(dst, src, T)
         pick = torch.tensor(step.pick, device=self.device)
         out = self._sample(logits[pick], step.seqs, step.rows)
         lens = np.array([len(r.prompt) for r in step.seqs], dtype=np.int64)
@@ -341,7 +379,7 @@ class ModelRunner:
             T = step.length
             src = torch.tensor(step.src, device=self.device)
             dst = torch.tensor(step.dst, device=self.device)
-            self.kv[:, :, dst, :, :T] = self.kv[:, :, src, :, :T]
+            self._copy_slots(dst, src, T)
             self.ids_buf[dst] = self.ids_buf[src]
             self.pos_buf[dst] = self.pos_buf[src]
         self.pos_buf[step.keep :] = 0
@@ -545,9 +583,9 @@ class ModelRunner:
         self._graphs.clear()
         self._graph_pool = None
         self.model = self.decoder = self.lm_head = None
-        self.kv = self.logits_buf = self._kv_view = None
+        self.kv = self.kv_scale = self.logits_buf = self._kv_view = self._scale_view = None
         self.params = {}
-        self._ctx.k, self._ctx.v = [], []
+        self._set_context_cache()
         self._release_memory()
         if self._kv_mem is not None:  # after every tensor over it (and every graph reading it) is gone
             self._kv_mem.close()
