@@ -7,7 +7,10 @@ context decode of the 16 x 8 x 2048 GRPO job (128 rows, Qwen3-0.6B's 16 query / 
 
 Each row: median time of one layer's decode attention over `--iters` launches, the bytes of K and V it must read
 (rows x kv heads x context x head dim x 2 tensors x 2 bytes) over that time, and the ratio to the default launch at
-that context. The default is what `decode_attention_triton` uses without keyword arguments.
+that context. The default is what `decode_attention_triton` uses without keyword arguments. Rows 'fp8 ...': the same
+cache quantized to fp8 with a scale per (token, kv head) (`--generator.transformers.kv_cache_dtype fp8`), the default
+launch and the best of a small sweep (fp8 tiles take half the shared memory), bytes counted as fp8 + scales, 'max
+err' against the bf16 cache's output.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ if "--tiny" in sys.argv:
 
 from common import environment, median, print_table, write_json  # noqa: E402
 
-from meshrl.generation.transformers_engine.kernels import decode_attention_triton  # noqa: E402
+from meshrl.generation.transformers_engine.kernels import decode_attention_triton, quantize_kv  # noqa: E402
 
 
 def time_ms(fn, iters: int, dev: torch.device) -> float:
@@ -65,6 +68,11 @@ def main() -> None:
          for bn, w, st, mp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1024, 4096))]
         if not args.tiny else [dict(block_n=16, num_warps=1, num_stages=1, min_programs=1)]
     )  # fmt: skip
+    fp8_grid = (
+        [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
+        if not args.tiny else []
+    )  # fmt: skip
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
     table = []
     for context in contexts:
         pos = torch.full((rows,), context - 1, dtype=torch.int64, device=dev)
@@ -86,15 +94,29 @@ def main() -> None:
             err = float((launch().float() - ref.float()).abs().max())
             here.append(dict(launch=cfg, ms=time_ms(launch, args.iters, dev), max_err=err))
         for r in here:
+            r["bytes"] = bytes_read
+        attend8 = functools.partial(
+            decode_attention_triton, q, k8, v8, pos, context, scale, k_scale=k_scale, v_scale=v_scale
+        )
+        fp8_bytes = rows * kv_heads * context * (dim + 4) * 2
+        for name, cfg in [("fp8 default", {})] + [(f"fp8 {c}", c) for c in fp8_grid]:
+            launch = functools.partial(attend8, **cfg)
+            err = float((launch().float() - ref.float()).abs().max())
+            here.append(dict(launch=name, ms=time_ms(launch, args.iters, dev), max_err=err, bytes=fp8_bytes))
+        for r in here:
             r["context"] = context
-            r["GB/s"] = bytes_read / (r["ms"] / 1e3) / 1e9 if r["ms"] == r["ms"] else None
+            r["GB/s"] = r["bytes"] / (r["ms"] / 1e3) / 1e9 if r["ms"] == r["ms"] else None
             r["x default"] = default_ms / r["ms"] if r["ms"] == r["ms"] else None
         table += here
-    best = {}
+    best, best8 = {}, {}
     for r in table:
         if isinstance(r["launch"], dict) and (r["context"] not in best or r["ms"] < best[r["context"]]["ms"]):
             best[r["context"]] = r
-    shown = [r for r in table if not isinstance(r["launch"], dict)] + list(best.values())
+        fp8_swept = str(r["launch"]).startswith("fp8 {")
+        if fp8_swept and (r["context"] not in best8 or r["ms"] < best8[r["context"]]["ms"]):
+            best8[r["context"]] = r
+    shown = [r for r in table if not isinstance(r["launch"], dict) and not str(r["launch"]).startswith("fp8 {")]
+    shown += list(best.values()) + list(best8.values())
     shown.sort(key=lambda r: r["context"])
     print_table(
         f"Decode attention, {rows} rows, {heads}/{kv_heads} x {dim}, {environment()['device']}, best of the sweep",

@@ -10,6 +10,8 @@
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
 #   bash bench/gpu_run.sh onegpu [args]      # the torch 2.11 stack: bench/one_gpu_memory.py (token budgets, packing,
 #                                            # memory hand-off vs fixed micro-batches)
+#   bash bench/gpu_run.sh fp8kv [args]       # the torch 2.11 stack: the fp8 KV cache's GPU tests, decode_attention.py,
+#                                            # then bench/one_gpu_memory.py [args]
 #   bash bench/gpu_run.sh sync [args]        # the torch 2.11 stack: bench/weight_sync_ranks.py --gpu (torchstore,
 #                                            # sharded and gathered, beside CUDA IPC; 0.6B shape)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.25 (GPU.md step 4, re-cut with split -b 58M so a piece and
@@ -79,6 +81,17 @@ onegpu)
   [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site211:$PWD/src
   cd bench && timeout "${ONEGPU_TIMEOUT:-560}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
+    | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory.log"
+  ;;
+fp8kv)
+  # the transformers engine's fp8 KV cache: its GPU tests (kernels, engine against the rounded reference, VMM sleep),
+  # the decode attention bench with the fp8 rows, then bench/one_gpu_memory.py [args]
+  [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site211:$PWD/src
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py 2>&1 | tail -15 \
+    | tee "$OUT/test_hf_engine_fp8_gpu.log"
+  (cd bench && timeout 150 python3 decode_attention.py 2>&1 | tail -25 | tee "$OUT/decode_attention_fp8.log")
+  cd bench && timeout "${ONEGPU_TIMEOUT:-330}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory.log"
   ;;
 sync)

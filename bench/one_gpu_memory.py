@@ -20,8 +20,10 @@ config's engine alone in this process (built as the Generator actor builds it) o
 Controller starts; the table gives in-loop generation tok/s over it.
 
 More configs: 'after+fast' (after + compiled blocks, chunked logprobs, pure-bf16 weights with Kahan-compensated
-AdamW), 'vllm' and 'vllm+fast' (the same trainers with vLLM as the generator, its GPU defaults: CUDA graphs, sleep
-mode; needs the vLLM stack, bench/gpu_run.sh vllm-loop).
+AdamW), 'after+fp8kv' / 'after+fast+fp8kv' (the generator's KV cache in fp8:
+`--generator.transformers.kv-cache-dtype fp8`, which changes the sampler's numerics), 'vllm' and 'vllm+fast' (the
+same trainers with vLLM as the generator, its GPU defaults: CUDA graphs, sleep mode; needs the vLLM stack,
+bench/gpu_run.sh vllm-loop).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def configs(args, on_gpu: bool, max_model_len: int) -> dict:
     fast = dataclasses.replace(
         after, logprob_chunk_size=4096, compile=on_gpu, master_dtype=dtype, bf16_rounding="kahan"
     )
+    fp8kv = dataclasses.replace(gen, transformers=dataclasses.replace(gen.transformers, kv_cache_dtype="fp8"))
     vllm = dataclasses.replace(gen, engine="vllm")  # vLLM with its GPU defaults: CUDA graphs, sleep mode
     return {
         "before": (model, before, dataclasses.replace(gen, sleep_level=0)),
@@ -81,6 +84,9 @@ def configs(args, on_gpu: bool, max_model_len: int) -> dict:
         "after": (model, after, gen),
         "after+chunk": (model, dataclasses.replace(after, logprob_chunk_size=4096), gen),
         "after+fast": (model, fast, gen),
+        # the generator's KV cache in fp8 (half the bytes decode attention reads; changes the sampler's numerics)
+        "after+fp8kv": (model, after, fp8kv),
+        "after+fast+fp8kv": (model, fast, fp8kv),
         "vllm": (model, after, vllm),
         "vllm+fast": (model, fast, vllm),
         # fast without compile (the vLLM stack's cuDNN rejects the compiled SDPA backward at these lengths)

@@ -375,7 +375,14 @@ def _fp8_reference_attention(module, query, key, value, attention_mask, dropout=
 _FP8_PROMPT_LEN = [0]
 
 
-@pytest.mark.parametrize("attn_impl", ["matmul", "sdpa"])
+@pytest.mark.parametrize(
+    "attn_impl",
+    [
+        "matmul",
+        "sdpa",
+        pytest.param("triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
 def test_fp8_kv_cache(setup, attn_impl):
     """kv_cache_dtype='fp8': the cache holds e4m3 keys / values with a float32 scale per (token, kv head), a
     quarter of the float32 cache's bytes per slot plus the scales. Greedy decoding over it gives the logprobs of a
@@ -390,6 +397,7 @@ def test_fp8_kv_cache(setup, attn_impl):
         engine.model_dir, attn_implementation="fp8_reference"
     ).eval()
     try:
+        assert other.attn_impl == attn_impl and other.attn_fallback is None
         assert other.runner.kv.dtype == torch.float8_e4m3fn and other.runner.kv_scale.dtype == torch.float32
         D = model.config.head_dim
         assert other.kv_cache_bytes * 4 * D == engine.kv_cache_bytes * (D + 4)  # same slots, fp8 + scale per vector
@@ -444,6 +452,20 @@ for B, S, Hkv, G, L, D in [(3, 4, 2, 2, 100, 32), (2, 2, 8, 2, 384, 128), (40, 4
     got = decode_attention_triton(q / 50, k8, v8, pos, L, D**-0.5, k_scale=ks, v_scale=vs)
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-5, ("fp8", B, S, Hkv, G, L, D, err)
+    # the decode step's fused store: each row's new key at its position, as quantize_kv rounds it
+    from meshrl.generation.transformers_engine.kernels import store_kv_fp8_triton
+    new, rows = torch.randn(B, Hkv, D) * 7, torch.randperm(S)[:B]
+    before = k8.view(torch.uint8).clone()
+    store_kv_fp8_triton(new, k8, ks, rows, pos)
+    want8, want_scale = quantize_kv(new)
+    same = k8[rows, :, pos].view(torch.uint8) == want8.view(torch.uint8)
+    if os.environ.get("CHECK_DEVICE") == "cuda":
+        assert bool(same.all())
+    else:  # Triton's interpreter rounds a value whose rounding carries into the next binade (126.8 -> 64, not 128)
+        assert float(same.float().mean()) > 0.95
+    torch.testing.assert_close(ks[rows, :, pos], want_scale)
+    before[rows, :, pos] = k8[rows, :, pos].view(torch.uint8)
+    assert torch.equal(k8.view(torch.uint8), before)  # nothing else written
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from meshrl.generation.hf_engine import rmsnorm_triton
 for shape in [(5, 1024), (3, 7, 16, 128), (2, 48)]:

@@ -14,7 +14,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from meshrl.generation.transformers_engine.kernels import decode_attention_triton, dequantize_kv, quantize_kv
+from meshrl.generation.transformers_engine.kernels import (
+    decode_attention_triton,
+    dequantize_kv,
+    quantize_kv,
+    store_kv_fp8_triton,
+)
 
 ATTN_NAME = "meshrl_kv"
 
@@ -59,7 +64,11 @@ def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         kc, vc = ctx.k[li], ctx.v[li]  # [S, Hkv, L, D]
         B, H, _, D = query.shape
         Hkv = kc.shape[1]
-        _write(ctx, li, (ctx.rows, slice(None), ctx.pos), key[:, :, 0], value[:, :, 0])
+        if ctx.k_scale and ctx.attn_impl == "triton":  # one launch per tensor, not quantize_kv's ~8
+            store_kv_fp8_triton(key[:, :, 0], kc, ctx.k_scale[li], ctx.rows, ctx.pos)
+            store_kv_fp8_triton(value[:, :, 0], vc, ctx.v_scale[li], ctx.rows, ctx.pos)
+        else:
+            _write(ctx, li, (ctx.rows, slice(None), ctx.pos), key[:, :, 0], value[:, :, 0])
         scale = scaling if scaling is not None else D**-0.5
         if ctx.attn_impl == "triton":
             scales = {"k_scale": ctx.k_scale[li], "v_scale": ctx.v_scale[li]} if ctx.k_scale else {}

@@ -158,6 +158,47 @@ def decode_attention_triton(
     return (out * w[..., None]).sum(2).to(q.dtype)
 
 
+def _store_fp8_kernel():
+    if "store_fp8" in _TRITON:
+        return _TRITON["store_fp8"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        X, OUT, SCALE, ROWS, POS, sxb, sxh, sob, soh, son, ssb, ssh, D: tl.constexpr, BLOCK_D: tl.constexpr
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        x = tl.load(X + b * sxb + h * sxh + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-30) / 448.0
+        row = tl.load(ROWS + b)
+        pos = tl.load(POS + b)
+        y = (x / scale).to(OUT.dtype.element_ty)
+        tl.store(OUT + row * sob + h * soh + pos * son + offs, y, mask=mask)
+        tl.store(SCALE + row * ssb + h * ssh + pos, scale)
+
+    _TRITON["store_fp8"] = kernel
+    return kernel
+
+
+def store_kv_fp8_triton(
+    x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
+) -> None:
+    """`quantize_kv(x)` written to `cache[rows, :, pos]` / `scale[rows, :, pos]` in one launch (a decode step's
+    new keys or values, x [B, Hkv, D]): the torch formulation is ~8 kernels per tensor per layer, which adds up in
+    a decode step."""
+    B, Hkv, D = x.shape
+    if x.stride(-1) != 1 or cache.stride(-1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("store_kv_fp8_triton needs the last dimension contiguous")
+    _store_fp8_kernel()[(B, Hkv)](
+        x, cache, scale, rows, pos, x.stride(0), x.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+        scale.stride(0), scale.stride(1), D=D, BLOCK_D=triton_next_pow2(D), num_warps=1,
+    )  # fmt: skip
+
+
 def _rmsnorm_kernel():
     if "rmsnorm" in _TRITON:
         return _TRITON["rmsnorm"]
@@ -238,6 +279,13 @@ def check_triton_attention(
         pos = torch.tensor([0, 1, L // 2, L - 2, L - 1][:B], device=device)
         if fp8:
             (k8, ks), (v8, vs) = quantize_kv(kc), quantize_kv(vc)
+            # the decode step's fused store rewrites each row's last key, as quantize_kv did
+            rows = torch.arange(B, device=device)
+            new = kc[rows, :, pos].contiguous()
+            store_kv_fp8_triton(new, k8, ks, rows, pos)
+            err = float((dequantize_kv(k8[rows, :, pos], ks[rows, :, pos], torch.float32) - new.float()).abs().max())
+            if not err <= 0.04 * float(new.abs().max()):
+                return f"triton fp8 KV store disagrees with quantize_kv (max abs diff {err:.3g})"
             kc, vc = dequantize_kv(k8, ks, dtype), dequantize_kv(v8, vs, dtype)
             got = decode_attention_triton(q, k8, v8, pos, L, D**-0.5, k_scale=ks, v_scale=vs).float()
         else:
@@ -285,6 +333,7 @@ __all__ = [
     "fuse_norms",
     "quantize_kv",
     "rmsnorm_triton",
+    "store_kv_fp8_triton",
     "triton_decode_supported",
     "triton_next_pow2",
 ]

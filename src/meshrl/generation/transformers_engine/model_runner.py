@@ -139,7 +139,7 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - unless required: a torch-allocated cache, and say why
                 if config.remappable_kv_cache:
                     raise
-                self.kv = self._kv_view = self.kv_scale = None
+                self.kv = self._kv_view = self.kv_scale = self._scale_view = None
                 self._set_context_cache()
                 if self._kv_mem is not None:
                     self._kv_mem.close()
