@@ -28,7 +28,11 @@ if "--tiny" in sys.argv:
 
 from common import environment, median, print_table, write_json  # noqa: E402
 
-from meshrl.generation.transformers_engine.kernels import decode_attention_triton, quantize_kv  # noqa: E402
+from meshrl.generation.transformers_engine.kernels import (  # noqa: E402
+    decode_attention_triton,
+    fp8_decode_launch,
+    quantize_kv,
+)
 
 
 def time_ms(fn, iters: int, dev: torch.device) -> float:
@@ -69,7 +73,8 @@ def main() -> None:
         if not args.tiny else [dict(block_n=16, num_warps=1, num_stages=1, min_programs=1)]
     )  # fmt: skip
     fp8_grid = (
-        [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3))]
+        [dict(block_n=bn, num_warps=w, num_stages=st)
+         for bn, w, st in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))]
         if not args.tiny else []
     )  # fmt: skip
     (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache), quantize_kv(v_cache)
@@ -99,7 +104,9 @@ def main() -> None:
             decode_attention_triton, q, k8, v8, pos, context, scale, k_scale=k_scale, v_scale=v_scale
         )
         fp8_bytes = rows * kv_heads * context * (dim + 4) * 2
-        for name, cfg in [("fp8 default", {})] + [(f"fp8 {c}", c) for c in fp8_grid]:
+        engine_launch = fp8_decode_launch(dim)
+        named = [("fp8 default", {}), (f"fp8 engine {engine_launch}", engine_launch)]
+        for name, cfg in named + [(f"fp8 {c}", c) for c in fp8_grid]:
             launch = functools.partial(attend8, **cfg)
             err = float((launch().float() - ref.float()).abs().max())
             here.append(dict(launch=name, ms=time_ms(launch, args.iters, dev), max_err=err, bytes=fp8_bytes))

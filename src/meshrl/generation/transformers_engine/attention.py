@@ -38,6 +38,7 @@ class AttentionContext:
     bias: torch.Tensor | None = None
     length: int = 0
     attn_impl: str = "matmul"  # decode attention: "matmul" | "sdpa" | "triton"
+    launch: dict = {}  # "triton": the kernel's launch keywords (kernels.fp8_decode_launch for an fp8 cache)
 
 
 _ACTIVE: list[AttentionContext] = []
@@ -72,7 +73,7 @@ def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
         scale = scaling if scaling is not None else D**-0.5
         if ctx.attn_impl == "triton":
             scales = {"k_scale": ctx.k_scale[li], "v_scale": ctx.v_scale[li]} if ctx.k_scale else {}
-            out = decode_attention_triton(query[:, :, 0], kc, vc, ctx.pos, ctx.length, scale, **scales)
+            out = decode_attention_triton(query[:, :, 0], kc, vc, ctx.pos, ctx.length, scale, **scales, **ctx.launch)
             return out.reshape(B, 1, H, D), None
         k, v = kc[:B, :, : ctx.length], vc[:B, :, : ctx.length]
         if ctx.k_scale:

@@ -103,6 +103,7 @@ class HFEngine:
     stats = property(lambda self: self.runner.stats)
     attn_impl = property(lambda self: self.runner.attn_impl)
     attn_fallback = property(lambda self: self.runner.attn_fallback)
+    attn_launch_fallback = property(lambda self: self.runner.attn_launch_fallback)
     fused_norm = property(lambda self: self.runner.fused_norm)
     norm_fallback = property(lambda self: self.runner.norm_fallback)
     use_graphs = property(lambda self: self.runner.use_graphs)

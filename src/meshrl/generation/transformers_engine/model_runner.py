@@ -41,6 +41,7 @@ from meshrl.generation.transformers_engine.device_memory import (
 from meshrl.generation.transformers_engine.kernels import (
     FP8,
     check_triton_attention,
+    fp8_decode_launch,
     fuse_norms,
     triton_decode_supported,
 )
@@ -133,8 +134,8 @@ class ModelRunner:
         self._graph_pool = None
         if self.kv_vmm_fallback is None:
             try:
-                # + 256: the fp8 scales start 256-byte aligned
-                self._kv_mem = RemappableBuffer(self.kv_cache_bytes + 256, self._device_index())
+                align = 256 if self.kv_fp8 else 0  # the fp8 scales start 256-byte aligned
+                self._kv_mem = RemappableBuffer(self.kv_cache_bytes + align, self._device_index())
                 self.allocate_cache()
             except Exception as e:  # noqa: BLE001 - unless required: a torch-allocated cache, and say why
                 if config.remappable_kv_cache:
@@ -168,6 +169,7 @@ class ModelRunner:
         self.graph_failures: list[str] = []
         self.stats = {"decode_steps": 0, "prefills": 0, "graph_replays": 0, "host_syncs": 0, "graph_captures": 0}
         self.attn_fallback: str | None = None
+        self.attn_launch_fallback: str | None = None  # why an fp8 cache's tuned launch was not used
         self.attn_impl = self._choose_attn(config.attn_impl)
         self._ctx.attn_impl = self.attn_impl
         want_norm = self.device.type == "cuda" if config.fused_norm is None else bool(config.fused_norm)
@@ -203,21 +205,21 @@ class ModelRunner:
         return int(max(min(share, free * GPU_FREE_FRACTION) - logits, 0))
 
     def _choose_attn(self, want: str) -> str:
+        self._ctx.launch = fp8_decode_launch(self.head_dim) if self.kv_fp8 else {}
         if want != "auto":
             return want
         if self.device.type != "cuda":
             return "matmul"
         why = triton_decode_supported(self.head_dim, self._heads // self.kv_heads)
         if why is None:
+            shape = (self._heads, self.kv_heads, self.head_dim, self.max_model_len)
             why = check_triton_attention(
-                self.device,
-                self.torch_dtype,
-                self._heads,
-                self.kv_heads,
-                self.head_dim,
-                self.max_model_len,
-                fp8=self.kv_fp8,
+                self.device, self.torch_dtype, *shape, fp8=self.kv_fp8, launch=self._ctx.launch
             )
+            if why is not None and self._ctx.launch:  # e.g. more shared memory than this GPU has: the default launch
+                self.attn_launch_fallback = why
+                self._ctx.launch = {}
+                why = check_triton_attention(*shape, fp8=True)
         if why is None:
             return "triton"
         self.attn_fallback = why
@@ -263,9 +265,11 @@ class ModelRunner:
                 if self.kv_fp8:  # the scales follow the fp8 values in the same reserved range
                     offset = -(-self._kv_view.nbytes // 256) * 256
                     self._scale_view = self._kv_mem.tensor(scale_shape, torch.float32, offset=offset)
-            # New physical memory holds anything (a NaN would leak through masked attention): zero it, as bytes
-            # (fp8 tensors have no fill kernel on every torch build).
-            self._kv_mem.tensor((self._kv_mem.nbytes,), torch.uint8).zero_()
+            # New physical memory holds anything (a NaN would leak through masked attention): zero it (fp8 as
+            # bytes: fp8 tensors have no fill kernel on every torch build).
+            (self._kv_view.view(torch.uint8) if self.kv_fp8 else self._kv_view).zero_()
+            if self._scale_view is not None:
+                self._scale_view.zero_()
             self.kv, self.kv_scale = self._kv_view, self._scale_view
         else:
             self.kv = torch.zeros(shape, dtype=torch.uint8 if self.kv_fp8 else self.kv_dtype, device=self.device)
