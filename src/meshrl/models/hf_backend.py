@@ -212,8 +212,12 @@ class HFBackend:
                         wrapped_layers.append(wrapped)
             layers = wrapped_layers
         if compile:
+            # torch's automatic dynamic shapes: the first shape compiles static, a second one recompiles once with
+            # the changed dims symbolic. Token-budget micro-batches vary their packed row count every call: with
+            # dynamic=False each new count recompiled, until dynamo's limit of 8, and later shapes ran eager (seen on
+            # the GPU: the first step's training 50 s, later steps up to 1.7x slower).
             for layer in layers:
-                layer.compile(dynamic=False)
+                layer.compile(dynamic=None)
         return layers
 
     # ---- forward --------------------------------------------------------------------------------------------
