@@ -179,6 +179,21 @@ def test_cli_reaches_the_engine_configs():
     assert g.transformers.attn_impl == "sdpa" and g.transformers.cuda_graphs is False and g.max_num_seqs == 32
 
 
+def test_settings_of_the_engine_not_used_are_named():
+    """--generator.transformers.* with the vllm engine (and the reverse) does nothing: a warning says which
+    settings and the flag that would use them."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"transformers.kv_cache_dtype='fp8' set, but generator.engine='vllm'.*"
+                      r"--generator.engine transformers"):  # fmt: skip
+        GeneratorConfig(transformers=TransformersEngineConfig(kv_cache_dtype="fp8"))
+    with pytest.warns(UserWarning, match=r"vllm.tensor_parallel_size=2 set, but generator.engine='transformers'"):
+        GeneratorConfig(engine="transformers", vllm=VLLMEngineConfig(tensor_parallel_size=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GeneratorConfig(engine="transformers", transformers=TransformersEngineConfig(kv_cache_dtype="fp8"))
+
+
 def test_vllm_engine_satisfies_the_protocol_on_cpu(model_dir):
     """The one vLLM build of this file: CPU defaults (eager, 64 MiB cache, no sleep mode), sleep / wake no-ops."""
     pytest.importorskip("vllm")

@@ -328,6 +328,30 @@ class GeneratorConfig:
             self.vllm = dataclasses.replace(self.vllm, gpu_memory_utilization=self.gpu_memory_utilization)
         if self.weight_sync not in WEIGHT_SYNC_TRANSPORTS:
             raise ConfigError(f"generator.weight_sync={self.weight_sync!r}; use one of {list(WEIGHT_SYNC_TRANSPORTS)}")
+        self._warn_unused_engine_settings()
+
+    def _warn_unused_engine_settings(self) -> None:
+        """The other engine's settings do nothing: say so (e.g. --generator.transformers.kv-cache-dtype fp8 with
+        the default vllm engine), but do not fail, as a preset may carry both engines' settings."""
+        import dataclasses
+        import warnings
+
+        unused, default = (
+            ("transformers", TransformersEngineConfig()) if self.engine == "vllm" else ("vllm", VLLMEngineConfig())
+        )
+        changed = {
+            f.name: getattr(getattr(self, unused), f.name)
+            for f in dataclasses.fields(default)
+            if getattr(getattr(self, unused), f.name) != getattr(default, f.name)
+        }
+        if changed:
+            settings = ", ".join(f"{unused}.{k}={v!r}" for k, v in changed.items())
+            warnings.warn(
+                f"generator.{settings} set, but generator.engine={self.engine!r} does not use them; add "
+                f"--generator.engine {unused} to use the {unused} engine",
+                UserWarning,
+                stacklevel=3,
+            )
         try:
             check_devices(self.devices, "generator.devices")
         except ValueError as e:

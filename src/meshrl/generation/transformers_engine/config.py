@@ -51,11 +51,12 @@ class TransformersEngineConfig:
 
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """What the KV cache stores. 'auto': the model's dtype (exact). 'fp8': float8 e4m3 with one float32 scale per
-    token and kv head (each key / value vector divided by its largest magnitude / 448), half the bytes of a bf16
-    cache (a quarter of float32), so twice the sequences fit, and decode attention, which reads the whole cache every
-    step, ran 1.3-1.5x faster at 1-2k tokens of context on an H100 (bench/decode_attention.py). Changes numerics: sampled tokens follow a policy whose keys and values
-    are rounded to 3 mantissa bits (up to 6 % relative error per element); the trainer's logprobs do not see the
-    rounding. Prompt attention during prefill uses the exact keys."""
+    token and kv head (each key / value vector divided by its largest magnitude / 448): half the bytes of a bf16
+    cache (a quarter of float32), so twice the sequences fit, and decode attention, which reads the whole cache
+    every step, ran 1.3-1.5x faster at 1-2k tokens of context on an H100 (bench/decode_attention.py). Changes
+    numerics: sampled tokens follow a policy whose keys and values are rounded to 3 mantissa bits (up to 6 %
+    relative error per element); the trainer's logprobs do not see the rounding. Prompt attention during prefill
+    uses the exact keys."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
