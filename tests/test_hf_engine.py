@@ -418,6 +418,29 @@ def test_fp8_kv_cache(setup, attn_impl):
         other.shutdown()
 
 
+def test_fp8_tuned_launch_falls_back_to_the_default_launch(monkeypatch):
+    """Where the fp8 cache's tuned decode launch fails its start-up check (e.g. a GPU with less shared memory), the
+    engine keeps the Triton kernel with the default launch and says why. The failure cannot be produced on this
+    CPU: the check is a stand-in that fails whenever a launch is given; the runner's own choice logic runs."""
+    from meshrl.generation.transformers_engine import model_runner
+
+    calls = []
+
+    def check(device, dtype, heads, kv_heads, head_dim, max_len, fp8=False, launch=None):
+        calls.append((heads, kv_heads, head_dim, max_len, fp8, launch))
+        return "out of shared memory (stand-in)" if launch else None
+
+    monkeypatch.setattr(model_runner, "check_triton_attention", check)
+    monkeypatch.setattr(model_runner, "triton_decode_supported", lambda head_dim, group: None)
+    runner = model_runner.ModelRunner.__new__(model_runner.ModelRunner)
+    runner.device, runner.torch_dtype, runner._heads, runner.kv_heads = torch.device("cuda"), torch.bfloat16, 16, 8
+    runner.head_dim, runner.max_model_len, runner.kv_fp8 = 128, 2048, True
+    runner._ctx, runner.attn_fallback, runner.attn_launch_fallback = model_runner.AttentionContext(), None, None
+    assert runner._choose_attn("auto") == "triton"
+    assert runner._ctx.launch == {} and runner.attn_launch_fallback == "out of shared memory (stand-in)"
+    assert calls == [(16, 8, 128, 2048, True, {"block_n": 128, "num_stages": 3}), (16, 8, 128, 2048, True, None)]
+
+
 def test_fp8_kv_cache_config_errors():
     from meshrl.errors import ConfigError
     from meshrl.generation.hf_engine import TransformersEngineConfig

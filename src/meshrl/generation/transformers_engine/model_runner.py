@@ -212,14 +212,12 @@ class ModelRunner:
             return "matmul"
         why = triton_decode_supported(self.head_dim, self._heads // self.kv_heads)
         if why is None:
-            shape = (self._heads, self.kv_heads, self.head_dim, self.max_model_len)
-            why = check_triton_attention(
-                self.device, self.torch_dtype, *shape, fp8=self.kv_fp8, launch=self._ctx.launch
-            )
+            model = (self.device, self.torch_dtype, self._heads, self.kv_heads, self.head_dim, self.max_model_len)
+            why = check_triton_attention(*model, fp8=self.kv_fp8, launch=self._ctx.launch)
             if why is not None and self._ctx.launch:  # e.g. more shared memory than this GPU has: the default launch
                 self.attn_launch_fallback = why
                 self._ctx.launch = {}
-                why = check_triton_attention(*shape, fp8=True)
+                why = check_triton_attention(*model, fp8=True)
         if why is None:
             return "triton"
         self.attn_fallback = why
