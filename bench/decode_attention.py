@@ -97,7 +97,7 @@ def main() -> None:
         for cfg in grid:
             launch = functools.partial(attend, **cfg)
             err = float((launch().float() - ref.float()).abs().max())
-            here.append(dict(launch=cfg, ms=time_ms(launch, args.iters, dev), max_err=err))
+            here.append(dict(launch=cfg, ms=time_ms(launch, args.iters, dev), max_err=err, sweep="bf16"))
         for r in here:
             r["bytes"] = bytes_read
         attend8 = functools.partial(
@@ -106,24 +106,22 @@ def main() -> None:
         fp8_bytes = rows * kv_heads * context * (dim + 4) * 2
         engine_launch = fp8_decode_launch(dim)
         named = [("fp8 default", {}), (f"fp8 engine {engine_launch}", engine_launch)]
-        for name, cfg in named + [(f"fp8 {c}", c) for c in fp8_grid]:
+        for name, cfg, sweep in [(n, c, None) for n, c in named] + [(f"fp8 {c}", c, "fp8") for c in fp8_grid]:
             launch = functools.partial(attend8, **cfg)
             err = float((launch().float() - ref.float()).abs().max())
-            here.append(dict(launch=name, ms=time_ms(launch, args.iters, dev), max_err=err, bytes=fp8_bytes))
+            ms = time_ms(launch, args.iters, dev)
+            here.append(dict(launch=name, ms=ms, max_err=err, bytes=fp8_bytes, sweep=sweep))
         for r in here:
             r["context"] = context
             r["GB/s"] = r["bytes"] / (r["ms"] / 1e3) / 1e9 if r["ms"] == r["ms"] else None
             r["x default"] = default_ms / r["ms"] if r["ms"] == r["ms"] else None
         table += here
-    best, best8 = {}, {}
+    best = {}  # (sweep, context) -> its fastest launch
     for r in table:
-        if isinstance(r["launch"], dict) and (r["context"] not in best or r["ms"] < best[r["context"]]["ms"]):
-            best[r["context"]] = r
-        fp8_swept = str(r["launch"]).startswith("fp8 {")
-        if fp8_swept and (r["context"] not in best8 or r["ms"] < best8[r["context"]]["ms"]):
-            best8[r["context"]] = r
-    shown = [r for r in table if not isinstance(r["launch"], dict) and not str(r["launch"]).startswith("fp8 {")]
-    shown += list(best.values()) + list(best8.values())
+        key = (r.get("sweep"), r["context"])
+        if r.get("sweep") and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    shown = [r for r in table if not r.get("sweep")] + list(best.values())
     shown.sort(key=lambda r: r["context"])
     print_table(
         f"Decode attention, {rows} rows, {heads}/{kv_heads} x {dim}, {environment()['device']}, best of the sweep",
