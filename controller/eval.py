@@ -21,9 +21,10 @@ from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.grpo import describe_eval
 from meshrl.controller.steps import evaluate
 from meshrl.errors import ConfigError, DataError
+from meshrl.preflight import check_run_inputs
 from meshrl.run_dir import RunDir
 from meshrl.tasks import Row, build_data_task, build_task
-from meshrl.tasks.setup import TaskSetup, check_run_inputs
+from meshrl.tasks.setup import TaskSetup
 
 
 def main(

@@ -49,11 +49,12 @@ from meshrl.controller.steps import (
 from meshrl.data.sampler import EpochSampler
 from meshrl.metric_sinks import open_sinks
 from meshrl.plots import plot_training
+from meshrl.preflight import check_run_inputs
 from meshrl.rollout_recorder import RolloutRecorder
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, build_task
-from meshrl.tasks.setup import TaskSetup, check_run_inputs, ensure_model
+from meshrl.tasks.setup import TaskSetup, ensure_model
 from meshrl.types import Datum, OptimParams, SamplingParams
 
 

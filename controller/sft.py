@@ -25,10 +25,11 @@ from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_exa
 from meshrl.metric_sinks import open_sinks
 from meshrl.models.hf_config import max_positions
 from meshrl.models.qwen3 import read_hf_config
+from meshrl.preflight import check_run_inputs
 from meshrl.run_dir import RunDir
 from meshrl.schedule import lr_at
 from meshrl.tasks import Row, Task, build_task
-from meshrl.tasks.setup import TaskSetup, check_run_inputs, ensure_model
+from meshrl.tasks.setup import TaskSetup, ensure_model
 from meshrl.types import Datum, LossSpec, OptimParams
 
 

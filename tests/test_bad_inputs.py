@@ -29,7 +29,7 @@ from meshrl.configs import PRESETS, SFT_PRESETS
 from meshrl.data.prompts import DataConfig, load_prompt_rows
 from meshrl.data.rows import BadRowError
 from meshrl.data.sft import load_sft_dataset
-from meshrl.tasks.setup import check_model_dir, check_run_inputs
+from meshrl.preflight import check_model_dir, check_run_inputs
 from meshrl.tokenizer import CharTokenizer, unknown_characters
 
 GOOD_SFT = [{"prompt": "abc=", "response": "cba"}, {"prompt": "de=", "response": "ed"}]

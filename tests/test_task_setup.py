@@ -90,7 +90,7 @@ def test_reward_spec_task_alias_and_python_functions():
 
 
 def test_tokenizer_of_another_model_is_refused(chat_model, tmp_path):
-    from meshrl.tasks.setup import check_tokenizer_fits
+    from meshrl.preflight import check_tokenizer_fits
 
     other = tmp_path / "other"
     shutil.copytree(chat_model, other)

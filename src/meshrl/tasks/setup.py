@@ -2,23 +2,26 @@
 reward functions that judge it — everything checked before any actor process starts.
 
     task = build_task(cfg, train_rows=rows)
-    model_dir = ensure_model(cfg.model, cfg.reverse, task, run_dir)
+    model_dir = ensure_model(cfg, task, run_dir)
     setup = TaskSetup.prepare(cfg, task, model_dir)
     setup.train.prompt_ids[i], setup.train.views[i]        # what the generators and verifiers get
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshrl.errors import ConfigError
+from meshrl.preflight import check_model_dir, check_tokenizer_fits
 from meshrl.render import Renderer
 from meshrl.tasks.base import Row, Task
+
+if TYPE_CHECKING:
+    from meshrl.config import GRPORunConfig, SFTRunConfig
 
 
 @dataclass
@@ -106,7 +109,7 @@ class TaskSetup:
         eval_max_tokens: int | None = None,
     ) -> TaskSetup:
         """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval sections. The
-        model directory and its trainer backend are checked before this, first thing (`check_model_dir`)."""
+        model directory and its trainer backend are checked before this, first thing (`meshrl.preflight`)."""
         from meshrl.rewards import RewardSet
 
         renderer = Renderer.from_model_dir(model_dir, cfg.render)
@@ -207,21 +210,7 @@ class TaskSetup:
         return keep, demos
 
 
-def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
-    """A tokenizer whose ids run past the model's vocabulary belongs to another model: refuse at launch."""
-    from meshrl.models.hf_config import read_config
-
-    hf = read_config(model_dir)
-    vocab = hf.get("vocab_size")
-    n = len(renderer.tokenizer)
-    if isinstance(vocab, int) and n > vocab:
-        raise ConfigError(
-            f"the tokenizer in {model_dir} has {n} tokens but the model's vocabulary has {vocab}: they belong to "
-            "different models. Put the model's own tokenizer files next to its weights"
-        )
-
-
-def ensure_model(cfg: Any, task: Task | None, run_path: Path) -> str:
+def ensure_model(cfg: GRPORunConfig | SFTRunConfig, task: Task | None, run_path: Path) -> str:
     """The checkpoint a run starts from: `cfg.model.path`, or a new random model of `cfg.model.flavor` written into
     the run directory with `new_model_tokenizer` (a resumed run finds it there already)."""
     model_cfg = cfg.model
@@ -237,145 +226,7 @@ def ensure_model(cfg: Any, task: Task | None, run_path: Path) -> str:
     return str(model_dir)
 
 
-def check_model_dir(path: str | Path, backend: str | None = None) -> None:
-    """`--model.path` names a whole HF checkpoint directory that `backend` (if given) can train; else ConfigError
-    naming the file and what is wrong: config.json parses and has its model_type and vocab_size, every weight
-    file is there and no safetensors file is shorter than its header says (headers only: no tensor is read)."""
-    if not Path(path).is_dir():
-        raise ConfigError(
-            f"--model.path {path}: {'not a directory' if Path(path).exists() else 'no such directory'}; give an HF "
-            "checkpoint directory (config.json, weights, tokenizer files)"
-        )
-    if not Path(path, "config.json").is_file():
-        raise ConfigError(
-            f"--model.path {path}: no config.json there; give an HF checkpoint directory (config.json, weights, "
-            "tokenizer files)"
-        )
-    from meshrl.models.hf_config import check_config_fields, check_weights
-
-    check_config_fields(path)
-    check_weights(path)
-    if backend is not None:
-        from meshrl.models.hf_config import check_backend_supports
-
-        check_backend_supports(str(path), backend)
-
-
-def check_run_inputs(cfg: Any, *, generator: bool = True) -> None:
-    """What can be known wrong about a run before any process starts, refused first thing in each program's main
-    with a ConfigError naming the flag, the file and the numbers: the checkpoint directory (`check_model_dir`),
-    trainer / reference process counts this machine cannot run (`check_process_counts`), and lengths past the
-    model's context (`check_context`; `generator`: whether the run starts generators, whose max_model_len counts)."""
-    trainer = getattr(cfg, "trainer", None)
-    if cfg.model.path is not None:
-        check_model_dir(cfg.model.path, cfg.model.backend if trainer is not None else None)
-    check_process_counts(cfg)
-    check_context(cfg, generator=generator)
-
-
-def model_context(model_cfg: Any) -> tuple[int, str] | None:
-    """(the model's context length in positions, where that is written) for `--model.path` or, without one, the new
-    model of `--model.flavor`; None when the config gives no context length (nothing to check against)."""
-    from meshrl.models.hf_config import context_length, read_config
-
-    if model_cfg.path is not None:
-        found = context_length(read_config(model_cfg.path))
-        if found is None:
-            return None
-        return found[1], f"{found[0]}={found[1]} in {Path(model_cfg.path) / 'config.json'}"
-    from meshrl.models.qwen3 import TINY_HF_CONFIG, hf_config_dict
-
-    hf = TINY_HF_CONFIG if model_cfg.flavor == "tiny" else hf_config_dict(model_cfg.flavor, vocab_size=1)
-    n = hf["max_position_embeddings"]
-    return n, f"max_position_embeddings={n} of the new --model.flavor {model_cfg.flavor} model"
-
-
-def check_context(cfg: Any, *, generator: bool = True) -> None:
-    """No sequence length a run is configured for may pass the model's context: positions past it have no embedding
-    (learned tables index out of range; RoPE models run but were never trained there), and the failure would come
-    mid-run, at the first long batch, and again on resume."""
-    known = model_context(cfg.model)
-    if known is None:
-        return
-    context, where = known
-    lengths = []
-    if generator and getattr(cfg, "generator", None) is not None:
-        lengths.append(("--generator.max-model-len", cfg.generator.max_model_len))
-    data = getattr(cfg, "data", None)
-    for field_name, flag in (("max_seq_len", "--data.max-seq-len"), ("pack_len", "--data.pack-len")):
-        value = getattr(data, field_name, None)
-        if value is not None:
-            lengths.append((flag, value))
-    for flag, value in lengths:
-        if value > context:
-            raise ConfigError(
-                f"{flag} {value} is longer than the model's context of {context} positions ({where}); use "
-                f"{flag} {context} or less"
-            )
-
-
-def visible_gpus() -> int | None:
-    """GPUs this process may use, without initialising CUDA (the actors must be the first to touch it): the
-    entries of CUDA_VISIBLE_DEVICES (up to the first invalid one, as CUDA reads it), else the driver's list of
-    GPUs. None when neither says (no NVIDIA driver here): nothing to check against."""
-    driver = Path("/proc/driver/nvidia/gpus")
-    installed = len(list(driver.iterdir())) if driver.is_dir() else None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return installed
-    count = 0
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if not entry or entry.startswith("-"):
-            break
-        count += 1
-    return count if installed is None else min(count, installed)
-
-
-def check_process_counts(cfg: Any) -> None:
-    """Refuse trainer (and reference-model) process counts this machine cannot run. A CPU trainer needs a core per
-    rank: the ranks meet in a collective every step, so a rank waiting for a core stalls all of them, and each rank
-    is a process holding torch and its own shard (64 ranks on 2 cores exhaust the memory before the first step).
-    Generator and reward processes are not counted: they wait while the trainer computes. On cuda, rank r takes
-    GPU r unless --trainer.devices places the ranks, and every GPU index must be one this process can see."""
-    trainer = getattr(cfg, "trainer", None)
-    grpo = getattr(cfg, "grpo", None)
-    meshes = [("--trainer.num-procs", trainer.num_procs)] if trainer is not None else []
-    if grpo is not None and grpo.needs_reference:
-        meshes.append(("--grpo.reference-procs", grpo.reference_procs))
-    gpus = visible_gpus()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = "the driver's list" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
-    sees = f"this process sees {gpus} GPU{'s' if gpus != 1 else ''} ({where})"
-    for flag, devices in (
-        ("--trainer.devices", trainer.devices if trainer is not None else None),
-        ("--generator.devices", getattr(getattr(cfg, "generator", None), "devices", None)),
-    ):
-        bad = [d for d in devices or () if gpus is not None and d >= gpus]
-        if bad:
-            raise ConfigError(f"{flag} {list(devices)} names GPU {bad[0]}, but {sees}; use indices below {gpus}")
-    if trainer is None:
-        return
-    if trainer.device == "cpu":
-        cores = len(os.sched_getaffinity(0))
-        for flag, n in meshes:
-            if n > cores:
-                raise ConfigError(
-                    f"{flag} {n} with --trainer.device cpu: this machine gives the run {cores} CPU core"
-                    f"{'s' if cores != 1 else ''}, and a CPU trainer needs a core per rank (they meet in a collective "
-                    f"every step; each rank is a process of its own); use {flag} {cores} or fewer"
-                )
-        return
-    for flag, n in meshes:
-        if gpus is not None and n > gpus and (flag != "--trainer.num-procs" or trainer.devices is None):
-            hint = ", or place the ranks with --trainer.devices" if flag == "--trainer.num-procs" else ""
-            raise ConfigError(
-                f"{flag} {n} with --trainer.device cuda puts one rank on each GPU, but {sees}; use {flag} {gpus} or "
-                f"fewer{hint}"
-            )
-
-
-def new_model_tokenizer(cfg: Any, task: Task | None) -> Any:
+def new_model_tokenizer(cfg: GRPORunConfig | SFTRunConfig, task: Task | None) -> Any:
     """The tokenizer a new random model is made with: the reverse task's characters, or for any other task a
     byte-level BPE of `cfg.model.bpe_vocab_size` tokens trained on the task's own rows, with a ChatML template."""
     if task is None or task.name == "reverse":
