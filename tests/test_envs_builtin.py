@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from meshrl.envs.base import play
+from meshrl.rollout.environment import play
 from meshrl.envs.calculator import (
     INSTRUCTION,
     CalculatorEnv,

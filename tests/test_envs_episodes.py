@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from meshrl.envs import EnvConfig
-from meshrl.envs.episode import EpisodeRenderer, EpisodeTokens
-from meshrl.envs.rollout import EpisodeLimits, EpisodeRunner, EpisodeStats
+from meshrl.rollout.episode import EpisodeRenderer, EpisodeTokens
+from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner, EpisodeStats
 from meshrl.render import RenderConfig, Renderer
 from meshrl.tasks.base import Row
 from meshrl.tokenizer import default_corpus, train_bpe_tokenizer
@@ -280,7 +280,7 @@ def test_episodes_are_reproducible_whatever_the_timing(engine, batches):
 
 
 def test_greedy_episodes_repeat_and_group_rewards_apply(engine):
-    from meshrl.envs.base import Environment
+    from meshrl.rollout.environment import Environment
 
     er = engine[1]
     rows = [Row(f"tell me {i}") for i in range(2)]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from meshrl.errors import ConfigError
-from meshrl.tasks.base import Row
+from meshrl.rollout.row import Row
 
 
 @dataclass

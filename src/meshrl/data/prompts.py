@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from meshrl.data.rows import BadRowError, Source, iter_rows, source_name
 from meshrl.errors import ConfigError, DataError
-from meshrl.tasks.base import Row
+from meshrl.rollout.row import Row
 
 SKIP_HINT = "fix the row, or set --data.on-bad-row skip to skip such rows"
 

@@ -1,4 +1,4 @@
-"""Multi-turn and tool-use environments (meshrl.envs.base), run as token-in / token-out episodes.
+"""Multi-turn and tool-use environments (meshrl.rollout.environment), run as token-in / token-out episodes.
 
 --env calculator                 arithmetic word problems with a calculator tool (<tool>17*23</tool>)
 --env guess_number               guess a secret number from higher / lower feedback (needs several turns)
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.envs.base import Environment, EpisodeOutcome, StepResult, play
+from meshrl.rollout.environment import Environment, EpisodeOutcome, StepResult, play
 from meshrl.errors import ConfigError
 
 __all__ = ["BUILT_IN", "EnvConfig", "Environment", "EpisodeOutcome", "StepResult", "play", "resolve_env"]

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.envs.base import Environment, StepResult
+from meshrl.rollout.environment import Environment, StepResult
 from meshrl.errors import ConfigError
-from meshrl.tasks.base import Row
+from meshrl.rollout.row import Row
 
 INSTRUCTION = "Use <tool>expression</tool> to compute, then answer with the number."
 """Prepended (own line) to every built-in prompt: the tool's syntax is in the prompt, so a model can use it from

@@ -22,9 +22,9 @@ import math
 import random
 import re
 
-from meshrl.envs.base import Environment, StepResult
+from meshrl.rollout.environment import Environment, StepResult
 from meshrl.errors import ConfigError
-from meshrl.tasks.base import Row
+from meshrl.rollout.row import Row
 
 DEFAULT_HIGH = 16
 """The range of the built-in rows (`rows` is a classmethod and does not see the environment's kwargs)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 from meshrl.envs import EnvConfig
-from meshrl.envs.base import play
+from meshrl.rollout.environment import play
 from meshrl.tasks.base import Task
 
 # Demonstrations played to collect the texts a new model's tokenizer learns from (its chat roles included).

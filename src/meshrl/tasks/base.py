@@ -17,35 +17,10 @@ Single-turn tasks are one-turn episodes: the multi-turn environments of a later 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
-Prompt = str | Sequence[Message]
-
-
-@dataclass(frozen=True, eq=True)
-class Row:
-    """One prompt of an RL task, and everything its verifier needs.
-
-    `prompt` is plain text (rendered through the chat template as one user turn when the model has one, or fed
-    as is) or a list of chat messages. `answer` is the reference answer (also the demonstration text of a
-    supervised warm-up). `info` holds the row's other fields — test cases, metadata — passed to the verifiers."""
-
-    prompt: Prompt
-    answer: str | None = None
-    info: Mapping[str, Any] = field(default_factory=dict)
-
-    def verifier_view(self) -> dict[str, Any]:
-        """The dict a reward function `fn(completion, row)` receives: the row's own fields, plus `prompt` and
-        `answer`."""
-        return {**self.info, "prompt": self.prompt, "answer": self.answer}
-
-    @property
-    def is_chat(self) -> bool:
-        return not isinstance(self.prompt, str)
-
+from meshrl.rollout.row import Message, Prompt, Row  # noqa: F401 - re-exported: tasks are rows in, scores out
 
 @dataclass
 class Task:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrl.render import Renderer
-from meshrl.tasks.base import Row
+from meshrl.rollout.environment import EpisodeOutcome
+from meshrl.rollout.row import Row
 from meshrl.types import Completion, Datum
 
 # Stands in for the model's last message when finding what the template writes after it: text no template changes
@@ -141,3 +142,53 @@ class EpisodeTokens:
         mask = np.asarray(self.model_mask[1:], dtype=np.float64)
         old = np.asarray(self.logprobs[1:], dtype=np.float64) if with_logprobs else None
         return Datum(tokens, mask, old, advantage)
+
+
+@dataclass
+class Episode:
+    """One finished episode: its tokens for the trainer, its outcome for the advantages and metrics."""
+
+    tokens: EpisodeTokens
+    outcome: EpisodeOutcome
+    env_time_s: float = 0.0
+
+    @property
+    def answer_text(self) -> str:
+        """The model's last message: what a rubric's reward functions score."""
+        return next((m["content"] for m in reversed(self.outcome.messages) if m["role"] == "assistant"), "")
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able (floats round-trip exactly); the row is not kept (the caller knows which row it was)."""
+        t, o = self.tokens, self.outcome
+        return {
+            "tokens": [int(x) for x in t.tokens],
+            "model_mask": [int(x) for x in t.model_mask],
+            "logprobs": [float(x) for x in t.logprobs],
+            "turn_starts": [int(x) for x in t.turn_starts],
+            "policy_versions": sorted(int(v) for v in t.policy_versions),
+            "messages": o.messages,
+            "turn_rewards": [float(r) for r in o.turn_rewards],
+            "reward": float(o.reward),
+            "correct": bool(o.correct),
+            "num_turns": o.num_turns,
+            "finish_reason": o.finish_reason,
+            "metrics": {k: float(v) for k, v in o.metrics.items()},
+            "error": o.error,
+            "reward_parts": {k: float(v) for k, v in o.reward_parts.items()},
+            "reward_failures": list(o.reward_failures),
+            "env_time_s": self.env_time_s,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], row: Row) -> Episode:
+        s = state
+        tokens = EpisodeTokens(
+            list(s["tokens"]), list(s["model_mask"]), list(s["logprobs"]), list(s["turn_starts"]),
+            set(s["policy_versions"]),
+        )  # fmt: skip
+        outcome = EpisodeOutcome(
+            row, list(s["messages"]), list(s["turn_rewards"]), s["reward"], s["correct"], s["num_turns"],
+            s["finish_reason"], dict(s["metrics"]), s["error"], dict(s["reward_parts"]), list(s["reward_failures"]),
+        )  # fmt: skip
+        return cls(tokens, outcome, s["env_time_s"])
+

@@ -25,22 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.envs.base import Environment, EpisodeOutcome, as_messages
-from meshrl.envs.episode import EpisodeRenderer, EpisodeTokens
-from meshrl.tasks.base import Row
+from meshrl.rollout.environment import Environment, EpisodeOutcome, as_messages
+from meshrl.rollout.episode import Episode, EpisodeRenderer, EpisodeTokens
+from meshrl.rollout.row import Row
 from meshrl.types import Completion, SamplingParams
 
 # (prompts, sampling) -> one completion per prompt (n = 1), in order. May block: it runs in a worker thread.
 GenerateFn = Callable[[list[list[int]], SamplingParams], list[Completion]]
-
-
-@dataclass
-class Episode:
-    """One finished episode: its tokens for the trainer, its outcome for the advantages and metrics."""
-
-    tokens: EpisodeTokens
-    outcome: EpisodeOutcome
-    env_time_s: float = 0.0
 
 
 @dataclass

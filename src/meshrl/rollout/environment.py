@@ -19,7 +19,7 @@ blocks the others). An environment that raises or outlives `EnvConfig.timeout_s`
 counted in the step's metrics; the run goes on.
 
 Environments never see token ids: the controller renders their messages with the model's chat template and keeps
-the episode token-in / token-out (meshrl.envs.episode). No Monarch imports here.
+the episode token-in / token-out (meshrl.rollout.episode). No Monarch imports here.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from meshrl.tasks.base import Message, Row
+from meshrl.rollout.row import Message, Row
 
 
 @dataclass
@@ -96,6 +96,8 @@ class EpisodeOutcome:
     finish_reason: str  # "done" | "max_turns" | "max_tokens" | "env_error" | "env_timeout"
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)  # the rubric's functions' values (in `reward`)
+    reward_failures: list[str] = field(default_factory=list)  # "name: timeout" / "name: error": scored 0 for them
 
 
 async def maybe_await(value: Any) -> Any:
