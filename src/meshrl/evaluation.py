@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshrl.errors import ConfigError
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -62,3 +65,41 @@ def greedy_accuracy(correct: Sequence[bool]) -> float:
     if not correct:
         raise ValueError("greedy_accuracy: no problems")
     return sum(bool(x) for x in correct) / len(correct)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation, as RL papers report it: greedy accuracy, and mean@k / pass@k over k samples at the
+    training temperature (pass@k by the unbiased estimator). A completion is correct when the verifier gives it
+    >= 1."""
+
+    every: int = 0
+    """Evaluate every this many RL steps (besides before RL and at the end); 0: only before and after."""
+    samples: int = 0
+    """k: completions sampled per held-out prompt at generator.temperature for mean@k and pass@k; 0: greedy only."""
+    pass_k: tuple[int, ...] = ()
+    """The k's of pass@k reported (each <= eval.samples); empty: 1 and eval.samples."""
+    max_tokens: int | None = None
+    """Completion budget for evaluation; default: generator.max_tokens."""
+    verifier: str | None = None
+    """The reward function that decides correctness; default: the task's own (reverse: exact_match, reasoning_gym:
+    its scorer, data: the first function of --reward)."""
+    seed: int = 0
+    """Seed of the evaluation samples (kept apart from the training RNG, so evaluating never changes a run)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.samples < 0:
+            raise ConfigError(f"eval.every={self.every} and eval.samples={self.samples} must be >= 0")
+        if self.pass_k and not self.samples:
+            raise ConfigError("eval.pass_k needs eval.samples > 0 (k samples per prompt)")
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples]
+        if bad:
+            raise ConfigError(f"eval.pass_k={list(self.pass_k)}: each k must be in [1, eval.samples={self.samples}]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"eval.max_tokens={self.max_tokens} must be >= 1")
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        if not self.samples:
+            return ()
+        return tuple(sorted(set(self.pass_k or (1, self.samples))))

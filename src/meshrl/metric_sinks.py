@@ -17,6 +17,7 @@ import importlib
 import json
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +25,56 @@ from meshrl.errors import ConfigError
 
 TB_DIR = "tb"
 WANDB_ID_FILE = "wandb_id.txt"
+
+# The built-in backends; package.module:factory names any other.
+METRIC_BACKENDS = ("tensorboard", "wandb")
+
+
+@dataclass
+class LogConfig:
+    backends: str = "tensorboard"
+    """Where metrics go besides metrics.jsonl, comma-separated: tensorboard (event files in the run dir's tb/),
+    wandb (when installed; --log.wandb-project), or package.module:factory (factory(run_path, config) returning an
+    object with log(record) and close()). 'none': metrics.jsonl only."""
+    rollouts_every: int = 1
+    """Write the step's prompts, completions, rewards and policy versions to rollouts.jsonl every this many RL
+    steps; 0: never."""
+    logprob_gap_warn: float = 0.1
+    """Warn (stderr, every RL step while it lasts) when trainer and generator logprobs differ by more than this many
+    nats per token on average: they are not computing the same model. Rounding alone gives ~1e-6 in float32 and
+    ~1e-2 in bfloat16."""
+    wandb_project: str = "meshrl"
+    """The Weights & Biases project (with --log.backends ...,wandb). WANDB_MODE=offline keeps the run local."""
+    wandb_entity: str | None = None
+    """The Weights & Biases entity (team or user); default: your wandb default."""
+
+    def __post_init__(self) -> None:
+        names = self.backend_names
+        unknown = [n for n in names if n not in METRIC_BACKENDS and ":" not in n]
+        if unknown or (not names and self.backends.strip().lower() != "none"):
+            what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no backend named"
+            raise ConfigError(
+                f"log.backends={self.backends!r}: {what}; use a comma-separated list of "
+                f"{', '.join(METRIC_BACKENDS)} or package.module:factory, or 'none'"
+            )
+        if "wandb" in names:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(
+                    "log.backends asks for wandb, which is not installed: pip install wandb (or drop wandb from "
+                    "--log.backends)"
+                )
+        if self.rollouts_every < 0:
+            raise ConfigError(f"log.rollouts_every={self.rollouts_every} must be >= 0 (0: no rollouts.jsonl)")
+        if not self.logprob_gap_warn > 0:
+            raise ConfigError(f"log.logprob_gap_warn={self.logprob_gap_warn} must be > 0 (nats per token)")
+
+    @property
+    def backend_names(self) -> list[str]:
+        """The metric backends asked for, in order ([] for 'none')."""
+        names = [n.strip() for n in self.backends.split(",") if n.strip()]
+        return [] if [n.lower() for n in names] == ["none"] else [n if ":" in n else n.lower() for n in names]
 
 
 class MetricSink(Protocol):
@@ -146,8 +197,8 @@ def _plain(config: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def open_sinks(log_cfg: Any, run_path: str | Path, config: Any = None) -> list[MetricSink]:
-    """The backends `log_cfg` (a meshrl.config.LogConfig) asks for, writing under `run_path`. Nothing is opened
+def open_sinks(log_cfg: LogConfig, run_path: str | Path, config: Any = None) -> list[MetricSink]:
+    """The backends `log_cfg` (the `--log.*` section) asks for, writing under `run_path`. Nothing is opened
     yet: each one starts at its first record."""
     run_path = Path(run_path)
     sinks: list[MetricSink] = []
@@ -173,4 +224,13 @@ def _user_sink(spec: str, run_path: Path, config: Any) -> MetricSink:
     return sink
 
 
-__all__ = ["MetricSink", "TensorBoardSink", "WandbSink", "open_sinks", "scalars", "TB_DIR"]
+__all__ = [
+    "METRIC_BACKENDS",
+    "LogConfig",
+    "MetricSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "open_sinks",
+    "scalars",
+    "TB_DIR",
+]

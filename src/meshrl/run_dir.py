@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -199,3 +200,42 @@ def plot_rewards(records: list[dict[str, Any]], path: Path, title: str = "GRPO r
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs"
+    """Directory the run directories are made in."""
+    name: str | None = None
+    """Run directory name under output_dir; default: a timestamp."""
+    seed: int = 0
+    """Controller seed (prompt order, sampling seeds)."""
+    call_timeout_s: float = 600.0
+    """Longest wait for any one actor call before the run fails instead of hanging."""
+    save_every: int = 50
+    """Write a resumable checkpoint every this many optimiser steps (and at the end); 0: only at the end."""
+    keep_last_n: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str | None = None
+    """Continue a run: 'latest' (with --run.name of that run), a checkpoint dir, or a run dir."""
+    stop_at_step: int | None = None
+    """Save a checkpoint and stop after this step, as a preempted job would (resume later with run.resume)."""
+    max_restarts: int = 3
+    """Generator or reward processes replaced during the run after they die or hang (their requests re-sent, no
+    sample lost); one more failure ends the run with the resume command. 0: the first failure ends the run."""
+    heartbeat_s: float = 20.0
+    """A process that answers no heartbeat for this long while a call waits on it is frozen: a generator or reward
+    process is replaced (as a dead one is), a trainer rank ends the run. Heartbeats are answered between requests
+    and while generating, so long work is not a hang."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"run.max_restarts={self.max_restarts} must be >= 0 (0: a failure ends the run)")
+        if not self.heartbeat_s > 0:
+            raise ConfigError(f"run.heartbeat_s={self.heartbeat_s} must be > 0 (seconds)")
+        if self.save_every < 0:
+            raise ConfigError(f"run.save_every={self.save_every} must be >= 0")
+        if self.keep_last_n < 1:
+            raise ConfigError(f"run.keep_last_n={self.keep_last_n} must be >= 1")
+        if self.resume == "latest" and self.name is None:
+            raise ConfigError("run.resume=latest needs run.name (the run to continue); or pass a checkpoint path")

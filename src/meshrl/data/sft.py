@@ -16,11 +16,11 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from meshrl.data.rows import BadRowError, iter_rows, source_name
 from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
-from meshrl.errors import DataError
+from meshrl.errors import ConfigError, DataError
 from meshrl.tokenizer import unknown_characters
 
 
@@ -167,3 +167,45 @@ def pack_examples(examples: list[SFTExample], max_len: int) -> list:
         positions.extend(range(n))
     flush()
     return rows
+
+
+@dataclass
+class SFTDataConfig:
+    train: str = "task"
+    """'task' (the built-in task's demonstrations) or a .jsonl / .parquet file of prompt/response or chat
+    `messages` rows. From Python, `meshrl.controller.sft.main(cfg, train_rows=[...])` takes a list instead."""
+    eval: str | None = "task"
+    """Held-out rows, same forms as `train`; None: no evaluation."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A bad row (missing field, wrong type, empty response, too long): stop at load naming the file and row,
+    or skip it and count it in the log."""
+    prompt_field: str = "prompt"
+    """Field of the prompt text (prompt/response rows)."""
+    response_field: str = "response"
+    """Field of the response text (prompt/response rows)."""
+    messages_field: str = "messages"
+    """Field of a chat row: a list of {role, content}, the last one the assistant's response."""
+    max_seq_len: int | None = None
+    """Longest prompt + response in tokens; default: the model's max_position_embeddings."""
+    shuffle_seed: int = 0
+    """Seed of the shuffled epochs over the training rows."""
+    pack: bool = False
+    """Pack several examples into each row (document-masked attention, per-document positions): no compute
+    spent on padding when lengths vary. Same loss as unpacked (either trainer backend)."""
+    pack_len: int | None = None
+    """Tokens per packed row; default: data.max_seq_len."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--data.max-seq-len", self.max_seq_len), ("--data.pack-len", self.pack_len)):
+            if value is not None and value < 2:
+                raise ConfigError(f"{flag} {value} must be >= 2 tokens (a prompt token and a response token)")
+        if self.pack_len is not None and not self.pack:
+            raise ConfigError(
+                f"--data.pack-len {self.pack_len} has no effect without --data.pack (rows are not packed); add "
+                "--data.pack, or drop --data.pack-len"
+            )
+        if self.pack_len is not None and self.max_seq_len is not None and self.pack_len < self.max_seq_len:
+            raise ConfigError(
+                f"--data.pack-len {self.pack_len} is shorter than --data.max-seq-len {self.max_seq_len}: an example "
+                "of max-seq-len tokens would fit no packed row; raise --data.pack-len or lower --data.max-seq-len"
+            )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshrl.config import WEIGHT_SYNC_TRANSPORTS, ConfigError
+from meshrl.errors import ConfigError
+from meshrl.generation.config import WEIGHT_SYNC_TRANSPORTS
 from meshrl.weight_sync.cuda_ipc import choose_transport
 from meshrl.weight_sync.pubsub import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
