@@ -59,9 +59,9 @@ class Generator(Actor):
             seed=self.seed,
         )
         if c.engine == "transformers":  # no vLLM needed: machines without it, any transformers causal LM
-            from meshrl.generation.transformers_engine import HFEngine
+            from meshrl.generation.transformers_engine import TransformersEngine
 
-            self.engine = HFEngine(self.model_dir, c.transformers, **shared)
+            self.engine = TransformersEngine(self.model_dir, c.transformers, **shared)
         else:
             from meshrl.generation.vllm_engine import VLLMEngine
 

@@ -1,5 +1,6 @@
-"""Generation throughput: our 'transformers' engine (HFEngine: static KV cache, continuous batching, CUDA-graph
-decode steps with sampling on the device) beside transformers `generate` and, with `--vllm`, vLLM, in one run on
+"""Generation throughput: our 'transformers' engine (TransformersEngine: static KV cache, continuous batching,
+CUDA-graph decode steps with sampling on the device) beside transformers `generate` and, with `--vllm`, vLLM, in one
+run on
 one GPU.
 
     python bench/generation.py           # Qwen3-0.6B shape, random weights, bf16, 128-token prompts, 256 new
@@ -8,7 +9,7 @@ one GPU.
 
 vLLM runs last (after the other engines freed the GPU), through the project's VLLMEngine (enforce_eager=False,
 gpu_memory_utilization 0.6, token ids in and out, logprobs of the sampled token, seeded per prompt); its first
-call per batch size is untimed like HFEngine's. `--ipc-check` then exercises vLLM's same-GPU weight load
+call per batch size is untimed like TransformersEngine's. `--ipc-check` then exercises vLLM's same-GPU weight load
 (worker extension `meshrl_update_weights_ipc`): this process plays the trainer (a CudaIpcSender over the
 weights), greedy output before / after loading other weights / after loading the original weights again
 (must equal "before" exactly), and the time of each load beside `VLLMEngine.load_weights` (host path).
@@ -17,7 +18,7 @@ beside the per-step bandwidth bound.
 
 Both sample at temperature 1 (no top-k/top-p) and return per-token logprobs (`generate`: output_scores +
 compute_transition_scores); the model has no EOS, so every row makes exactly 256 tokens. tokens/s counts new
-tokens. HFEngine is timed on its second call of each batch size (the first one captures the CUDA graphs; its
+tokens. TransformersEngine is timed on its second call of each batch size (the first one captures the CUDA graphs; its
 time is reported too). Bandwidth bound: per decode step the weights (tied embedding counted once) plus the KV
 of every running row up to its current length must be read; the bound is those bytes over the copy bandwidth
 measured in the same run (bytes read + written), and "% of bound" is bound time / measured time.
@@ -250,10 +251,11 @@ def main() -> None:
     ap.add_argument("--skip-generate", action="store_true", help="engine only (no transformers generate baseline)")
     ap.add_argument(
         "--variants", default="auto+norm,matmul",
-        help="HFEngine variants, comma-separated: attn_impl (auto|triton|sdpa|matmul), '+norm' for fused RMSNorm",
+        help="TransformersEngine variants, comma-separated: attn_impl (auto|triton|sdpa|matmul), '+norm' for "
+        "fused RMSNorm",
     )  # fmt: skip
-    ap.add_argument("--len-bucket-step", type=int, default=64, help="HFEngine length-bucket step")
-    ap.add_argument("--sync-every", type=int, default=16, help="HFEngine decode steps between host reads")
+    ap.add_argument("--len-bucket-step", type=int, default=64, help="TransformersEngine length-bucket step")
+    ap.add_argument("--sync-every", type=int, default=16, help="TransformersEngine decode steps between host reads")
     ap.add_argument("--breakdown", action="store_true", help="time single decode-graph replays (largest batch)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM (VLLMEngine), last, in the same run")
     ap.add_argument("--vllm-gpu-mem", type=float, default=0.6)
@@ -266,7 +268,7 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.generation.transformers_engine import TransformersEngine
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model_dir = make_model_dir(tempfile.mkdtemp() + "/model", tiny=args.tiny)
@@ -291,14 +293,14 @@ def main() -> None:
     for variant in variants:
         attn, _, norm = variant.partition("+")
         reset_peak(dev)
-        engine = HFEngine(
+        engine = TransformersEngine(
             model_dir, dtype="bfloat16", max_model_len=args.prompt + args.new, max_num_seqs=max(batches), device=dev,
             max_prefill_tokens=max(batches) * args.prompt, len_bucket_step=step, sync_every=args.sync_every,
             attn_impl=attn, fused_norm=norm == "norm",
         )  # fmt: skip
         print(
-            f"HFEngine {variant}: attention {engine.attn_impl} (fallback: {engine.attn_fallback}), fused norm "
-            f"{engine.fused_norm} (fallback: {engine.norm_fallback})",
+            f"TransformersEngine {variant}: attention {engine.attn_impl} (fallback: {engine.attn_fallback}), "
+            f"fused norm {engine.fused_norm} (fallback: {engine.norm_fallback})",
             flush=True,
         )
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # tied: counted once
@@ -362,7 +364,7 @@ def main() -> None:
             elif key.startswith("vllm"):
                 name = "vLLM (VLLMEngine)"
             else:
-                name = f"HFEngine ({r['attn_impl']} attention{', fused norm' if r['fused_norm'] else ''})"
+                name = f"TransformersEngine ({r['attn_impl']} attention{', fused norm' if r['fused_norm'] else ''})"
             ratio = r["tokens_per_s"] / h["tokens_per_s"] if (h and r is not h) else None
             v = results.get(f"vllm_b{b}")
             vratio = r["tokens_per_s"] / v["tokens_per_s"] if (v and r is not v) else None

@@ -6,7 +6,7 @@
 #                                            # piece and the working tree fit one call), one per call, back to back
 #   bash bench/gpu_run.sh titan [configs]    # last call (carries .whl .whl_titan): install torch 2.13 + torchtitan,
 #                                            # GPU-only tests of meshrl.optim, trainer_speed.py --backend torchtitan
-#   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the HFEngine tests on
+#   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the TransformersEngine tests on
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
 #   bash bench/gpu_run.sh onegpu [args]      # the torch 2.11 stack: bench/one_gpu_memory.py (token budgets, packing,
 #                                            # memory hand-off vs fixed micro-batches)
@@ -16,7 +16,7 @@
 #                                            # sharded and gathered, beside CUDA IPC; 0.6B shape)
 #   bash bench/gpu_run.sh piece vllm.00      # ... vllm.25 (GPU.md step 4, re-cut with split -b 58M so a piece and
 #                                            # the working tree fit one call), then one of
-#   bash bench/gpu_run.sh vllm               # HFEngine vs generate vs vLLM 0.33 and vLLM's CUDA-IPC weight load, one
+#   bash bench/gpu_run.sh vllm               # TransformersEngine vs generate vs vLLM 0.33 and vLLM's CUDA-IPC weight load, one
 #                                            # run ('vllm-ipc': the load check alone, eager engine)
 #   bash bench/gpu_run.sh vllm-loop [args]   # (carries .whl) the VMM KV-cache GPU test, then
 #                                            # bench/one_gpu_memory.py [args] with vLLM in the GRPO loop
@@ -72,7 +72,7 @@ titan)
 torch211)
   [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site211:$PWD/src
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py 2>&1 | tail -15 | tee "$OUT/test_hf_engine_gpu.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transformers_engine.py 2>&1 | tail -15 | tee "$OUT/test_transformers_engine_gpu.log"
   cd bench && timeout 330 python3 grpo_step_gpu.py --steps 3 --transports cuda_ipc 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/grpo_step_gpu.log"
   ;;
@@ -88,8 +88,8 @@ fp8kv)
   # the decode attention bench with the fp8 rows, then bench/one_gpu_memory.py [args]
   [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site211:$PWD/src
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py 2>&1 | tail -15 \
-    | tee "$OUT/test_hf_engine_fp8_gpu.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transformers_engine.py 2>&1 | tail -15 \
+    | tee "$OUT/test_transformers_engine_fp8_gpu.log"
   (cd bench && timeout 150 python3 decode_attention.py 2>&1 | tail -25 | tee "$OUT/decode_attention_fp8.log")
   cd bench && timeout "${ONEGPU_TIMEOUT:-330}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory.log"
@@ -107,8 +107,8 @@ vllm-loop)
   export PYTHONPATH=$PYTHONPATH:/tmp/sitew
   python3 -c "import torch, vllm, monarch; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
   # the transformers engine's KV cache over CUDA virtual memory: a level-1 sleep keeps the decode graphs
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_hf_engine.py -k "remap or vmm or triton_kernels" 2>&1 \
-    | tail -15 | tee "$OUT/test_hf_engine_vmm_gpu.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transformers_engine.py -k "remap or vmm or triton_kernels" 2>&1 \
+    | tail -15 | tee "$OUT/test_transformers_engine_vmm_gpu.log"
   cd bench && timeout "${LOOP_TIMEOUT:-400}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory_vllm.log"
   ;;

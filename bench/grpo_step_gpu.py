@@ -4,8 +4,8 @@
     python bench/grpo_step_gpu.py --tiny     # CPU smoke test of the script (not a result)
 
 One trainer process (PolicyTrainer, 'hf' backend: FSDP2 on one rank, fp32 master weights, bf16 compute, fused
-AdamW, chunked logprobs), one generator process (Generator, engine 'transformers' = HFEngine, bf16, CUDA graphs)
-and one reward process, all on the same GPU / host, spawned by `meshrl.controller.api.Controller` over Monarch.
+AdamW, chunked logprobs), one generator process (Generator, engine 'transformers' = TransformersEngine, bf16, CUDA
+graphs) and one reward process, all on the same GPU / host, spawned by `meshrl.controller.api.Controller` over Monarch.
 The task is the built-in string reversal (character tokenizer); the random model never emits EOS, so every
 completion runs to max_tokens (rewards are ~0: this measures speed, not learning).
 

@@ -5,7 +5,7 @@ and, when Monarch + torchstore are importable, the torchstore path.
     python bench/weight_sync.py --tiny           # smoke test of the script (CPU: host path only)
 
 Two processes: this one is the trainer (the real `Policy`, 'hf' backend: FSDP2 on a 1-process NCCL group, fp32
-master weights), a spawned one is the generator (the real `HFEngine`). Per version the trainer changes its
+master weights), a spawned one is the generator (the real `TransformersEngine`). Per version the trainer changes its
 weights in place (so every version differs), then:
 - cuda_ipc: `Policy.publish_weights_ipc(v)` (live weights -> cast to bf16 -> the shared flat buffer, device
   sync, version mark), a pipe message, and in the generator `CudaIpcReceiver.load_into(engine, v)` (views ->
@@ -31,12 +31,12 @@ from common import environment, make_model_dir, median, print_table, sync, write
 
 
 def generator_proc(conn, model_dir: str, device: str) -> None:
-    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver, device_identity
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    engine = HFEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=8, device=device)
+    engine = TransformersEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=8, device=device)
     conn.send(("ready", device_identity(device)))
     receivers: dict[str, CudaIpcReceiver] = {}
     while True:

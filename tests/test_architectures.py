@@ -89,10 +89,10 @@ def ckpt(arch, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_engine(ckpt):
-    from meshrl.generation.hf_engine import HFEngine
+def transformers_engine(ckpt):
+    from meshrl.generation.transformers_engine import TransformersEngine
 
-    engine = HFEngine(ckpt[0], max_model_len=MAX_LEN, max_num_seqs=4)
+    engine = TransformersEngine(ckpt[0], max_model_len=MAX_LEN, max_num_seqs=4)
     yield engine
     engine.shutdown()
 
@@ -246,10 +246,10 @@ def _check_modes(path) -> None:
 # ---- per architecture -----------------------------------------------------------------------------------------
 
 
-def test_transformers_engine_matches_transformers(ckpt, hf_engine):
+def test_transformers_engine_matches_transformers(ckpt, transformers_engine):
     path, model, prompts = ckpt
-    assert hf_engine.eos_ids == {1, 3}  # generation_config's list, config's and the tokenizer's eos
-    _check_engine(hf_engine, model, prompts)
+    assert transformers_engine.eos_ids == {1, 3}  # generation_config's list, config's and the tokenizer's eos
+    _check_engine(transformers_engine, model, prompts)
 
 
 def test_vllm_engine_matches_transformers(ckpt, vllm_engine):
@@ -283,13 +283,13 @@ def test_hf_backend_has_no_dropout_and_matches_transformers(ckpt, policy):
     assert (noisy - want[0]).abs().max() > 10 * ATOL
 
 
-def test_trainer_generator_parity_weight_sync_and_export(ckpt, policy, hf_engine, vllm_engine, tmp_path):
+def test_trainer_generator_parity_weight_sync_and_export(ckpt, policy, transformers_engine, vllm_engine, tmp_path):
     """Logprob parity on sampled sequences (what GRPO's importance ratio compares: generator vs trainer), then one
     trainer step whose weights are loaded into both engines (the weight sync's payload): equal again, and different
     from before. Then the HF export of the trained policy: transformers reloads it with the trainer's logprobs, and
     it carries the tokenizer, the chat template and the stop ids, readable by others."""
     path, model, prompts = ckpt
-    engines = {"transformers": hf_engine, "vllm": vllm_engine}
+    engines = {"transformers": transformers_engine, "vllm": vllm_engine}
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
 
     def check_parity() -> list[list[float]]:

@@ -151,11 +151,11 @@ def test_publish_read_protocol_cpu_backing():
         sender.close()
 
 
-def test_load_into_hf_engine(base_model_dir):
-    from meshrl.generation.hf_engine import HFEngine
+def test_load_into_transformers_engine(base_model_dir):
+    from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.models.qwen3 import load_hf_state_dict
 
-    engine = HFEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
+    engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
     base = load_hf_state_dict(base_model_dir)
     new = {k: v + 0.5 for k, v in base.items()}
     sender = CudaIpcSender.for_state_dict(new, "cpu", dtype=torch.float32)

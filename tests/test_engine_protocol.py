@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from meshrl.config import ConfigError, GeneratorConfig  # noqa: E402
 from meshrl.generation import TransformersEngineConfig, VLLMEngineConfig  # noqa: E402
 from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES, Engine  # noqa: E402
-from meshrl.generation.transformers_engine import HFEngine  # noqa: E402
+from meshrl.generation.transformers_engine import TransformersEngine  # noqa: E402
 from meshrl.types import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
@@ -45,7 +45,7 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     # kv_cache_memory_bytes=None: 64 MiB on CPU; max_num_seqs=None: 256, lowered to what 64 MiB holds.
-    engine = HFEngine(model_dir, max_model_len=MAX_LEN)
+    engine = TransformersEngine(model_dir, max_model_len=MAX_LEN)
     yield engine
     engine.shutdown()
 

@@ -140,8 +140,8 @@ def test_episode_datum_masks_the_environment():
 
 @pytest.fixture(scope="module", params=[("qwen3", "qwen3"), ("llama", "llama3")], ids=["qwen3", "llama"])
 def engine(request, tmp_path_factory):
-    """(HFEngine over a tiny random checkpoint with that chat template, its EpisodeRenderer)."""
-    from meshrl.generation.hf_engine import HFEngine
+    """(TransformersEngine over a tiny random checkpoint with that chat template, its EpisodeRenderer)."""
+    from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.models.tiny_hf import create_tiny_checkpoint
 
     arch, style = request.param
@@ -149,7 +149,7 @@ def engine(request, tmp_path_factory):
     path = create_tiny_checkpoint(
         tmp_path_factory.mktemp(arch) / "model", arch=arch, tokenizer=tok, seed=3, max_position_embeddings=MAX_LEN
     )
-    engine = HFEngine(str(path), max_model_len=MAX_LEN, max_num_seqs=16)
+    engine = TransformersEngine(str(path), max_model_len=MAX_LEN, max_num_seqs=16)
     yield engine, EpisodeRenderer(Renderer.from_model_dir(path))
     engine.shutdown()
 

@@ -140,10 +140,10 @@ def test_controller_sync_publishes_from_every_trainer_rank(ctl):
 def test_engine_loads_blocks_straight_into_its_weights(base_model_dir):
     """The transformers engine copies each tensor's blocks into the slices they cover (no whole tensor first): two
     "ranks" holding the first and second half of every weight's rows (FSDP2's Shard(0)), and every weight changed."""
-    from meshrl.generation.hf_engine import HFEngine
+    from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.weight_sync.shards import whole_tensors
 
-    engine = HFEngine(base_model_dir, max_model_len=32, max_num_seqs=2)
+    engine = TransformersEngine(base_model_dir, max_model_len=32, max_num_seqs=2)
     try:
         g = torch.Generator().manual_seed(1)
         seen, new = set(), {}

@@ -1,7 +1,8 @@
 """Generation engines behind one protocol (`base.Engine`): `VLLMEngine` (vllm_engine.py) and meshrl's own
-'transformers' engine `HFEngine` (transformers_engine/), each with its config passed whole (`VLLMEngineConfig`,
-`TransformersEngineConfig`). Importing this package never imports vLLM (the GPU machine may not have it), torch or
-transformers: the engines are resolved lazily, and vllm_engine itself imports vLLM only when an engine is built.
+'transformers' engine `TransformersEngine` (transformers_engine/), each with its config passed whole
+(`VLLMEngineConfig`, `TransformersEngineConfig`). Importing this package never imports vLLM (the GPU machine may
+not have it), torch or transformers: the engines are resolved lazily, and vllm_engine itself imports vLLM only
+when an engine is built.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from meshrl.generation.vllm_config import VLLMEngineConfig
 
 if TYPE_CHECKING:
     from meshrl.generation.base import Engine
-    from meshrl.generation.transformers_engine.engine import HFEngine
+    from meshrl.generation.transformers_engine.engine import TransformersEngine
     from meshrl.generation.vllm_engine import VLLMEngine
 
-__all__ = ["Engine", "HFEngine", "TransformersEngineConfig", "VLLMEngine", "VLLMEngineConfig"]
+__all__ = ["Engine", "TransformersEngine", "TransformersEngineConfig", "VLLMEngine", "VLLMEngineConfig"]
 
 _LAZY = {
     "Engine": "meshrl.generation.base",
-    "HFEngine": "meshrl.generation.transformers_engine.engine",
+    "TransformersEngine": "meshrl.generation.transformers_engine.engine",
     "VLLMEngine": "meshrl.generation.vllm_engine",
 }
 

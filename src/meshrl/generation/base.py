@@ -1,8 +1,8 @@
 """The `Engine` protocol: what the Generator actor and the weight-sync subscribers may call on a generation engine.
-Both engines implement it — `VLLMEngine` (vllm_engine.py) and meshrl's transformers engine `HFEngine`
+Both engines implement it — `VLLMEngine` (vllm_engine.py) and meshrl's transformers engine `TransformersEngine`
 (transformers_engine/) — so callers never probe for attributes.
 
-    engine: Engine = HFEngine(model_dir, TransformersEngineConfig(), max_model_len=512)
+    engine: Engine = TransformersEngine(model_dir, TransformersEngineConfig(), max_model_len=512)
     groups = engine.generate(prompts, SamplingParams(n=8, max_tokens=64), policy_version=3)
     engine.sleep(1)            # colocated: the trainer trains while the KV cache is freed
     engine.load_weights(sd)    # allowed while asleep

@@ -461,7 +461,8 @@ class CudaIpcReceiver:
                     torch.cuda.synchronize(self.device)
 
     def load_into(self, engine: WeightLoader, version: int | None = None, *, timeout_s: float = 60.0) -> int:
-        """`engine.load_weights(views)` (HFEngine, VLLMEngine, ...) for `version`; returns the version loaded."""
+        """`engine.load_weights(views)` (TransformersEngine, VLLMEngine, ...) for `version`; returns the version
+        loaded."""
         with self.read(version, timeout_s=timeout_s) as (v, views):
             engine.load_weights(views)
         return v

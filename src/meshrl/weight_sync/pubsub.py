@@ -162,7 +162,7 @@ class SharedBufferSubscriber:
     def __init__(self, handle: CudaIpcHandle, engine: Engine) -> None:
         self.handle = handle
         # vLLM copies inside its worker processes, which open the handle themselves (`engine.load_weights_ipc`); an
-        # engine that loads in this process (HFEngine) loads views that this process maps once, here, so a bad
+        # engine that loads in this process (TransformersEngine) loads views that this process maps once, here, so a bad
         # handle fails now.
         self._in_workers = engine.loads_in_workers
         self._receiver = None if self._in_workers else CudaIpcReceiver(handle)

@@ -8,7 +8,7 @@ One job per file, as nano-vllm's `engine/`:
 | file               | job                                                                                  |
 | ------------------ | ------------------------------------------------------------------------------------ |
 | `config.py`        | `TransformersEngineConfig`, the engine's own settings (`--generator.transformers.*`) |
-| `engine.py`        | `HFEngine`: validation, `generate` = schedule -> run -> postprocess, sleep / wake    |
+| `engine.py`        | `TransformersEngine`: validation, `generate` = schedule -> run -> postprocess, sleep / wake    |
 | `sequence.py`      | `Sequence`: one completion in the making                                             |
 | `scheduler.py`     | admission into KV slots, compaction of running rows, decode chunks (host side only)  |
 | `model_runner.py`  | the model, the static KV cache, prefill / decode steps, CUDA graphs                  |
@@ -17,8 +17,8 @@ One job per file, as nano-vllm's `engine/`:
 | `attention.py`     | the KV attention function registered with transformers, and its context              |
 | `kernels.py`       | Triton decode attention and fused RMSNorm, with their self-checks                    |
 
-Importing this package imports neither torch nor transformers until `HFEngine` is used (`meshrl.config` nests the
-config).
+Importing this package imports neither torch nor transformers until `TransformersEngine` is used (`meshrl.config`
+nests the config).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 
 if TYPE_CHECKING:
-    from meshrl.generation.transformers_engine.engine import HFEngine
+    from meshrl.generation.transformers_engine.engine import TransformersEngine
 
-__all__ = ["HFEngine", "TransformersEngineConfig"]
+__all__ = ["TransformersEngine", "TransformersEngineConfig"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "HFEngine":
-        from meshrl.generation.transformers_engine.engine import HFEngine
+    if name == "TransformersEngine":
+        from meshrl.generation.transformers_engine.engine import TransformersEngine
 
-        return HFEngine
+        return TransformersEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,7 +58,7 @@ def use_context(ctx: AttentionContext, mode: str) -> Iterator[AttentionContext]:
 def kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [B, H, T, D], key/value [B, Hkv, T, D] (after RoPE) -> ([B, T, H, D], None)."""
     if not _ACTIVE:
-        raise RuntimeError(f"attention '{ATTN_NAME}' called outside HFEngine (no KV cache is set)")
+        raise RuntimeError(f"attention '{ATTN_NAME}' called outside TransformersEngine (no KV cache is set)")
     ctx = _ACTIVE[-1]
     if ctx.mode == "decode":
         li = module.layer_idx

@@ -14,10 +14,10 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 
 @dataclass
 class TransformersEngineConfig:
-    """Settings of `HFEngine` that the generator's shared ones (dtype, max_model_len, max_num_seqs,
+    """Settings of `TransformersEngine` that the generator's shared ones (dtype, max_model_len, max_num_seqs,
     kv_cache_memory_bytes) do not cover.
 
-        HFEngine(model_dir, TransformersEngineConfig(cuda_graphs=False), max_model_len=512)
+        TransformersEngine(model_dir, TransformersEngineConfig(cuda_graphs=False), max_model_len=512)
     """
 
     attn_impl: Literal["auto", "triton", "sdpa", "matmul"] = "auto"

@@ -1,4 +1,4 @@
-"""`HFEngine`: requests in, completions out. Each iteration of `generate` reads
+"""`TransformersEngine`: requests in, completions out. Each iteration of `generate` reads
 
     scheduler.schedule_*()  ->  runner.prefill / compact / decode  ->  scheduler.postprocess_*()
 
@@ -26,13 +26,13 @@ from meshrl.types import Completion, SamplingParams
 DEFAULT_MAX_NUM_SEQS = 256
 
 
-class HFEngine:
+class TransformersEngine:
     """A transformers model with a static KV cache, continuous batching and (on GPU) CUDA-graph decode steps.
 
-        engine = HFEngine(model_dir, TransformersEngineConfig(attn_impl="sdpa"), max_model_len=512)
+        engine = TransformersEngine(model_dir, TransformersEngineConfig(attn_impl="sdpa"), max_model_len=512)
 
     `config`: the engine's own settings (`TransformersEngineConfig`); its fields may also be passed as keyword
-    overrides (`HFEngine(model_dir, attn_impl="sdpa")`). `max_num_seqs` (None: 256): slots of the KV cache
+    overrides (`TransformersEngine(model_dir, attn_impl="sdpa")`). `max_num_seqs` (None: 256): slots of the KV cache
     (sequences decoded together); it is lowered to what `kv_cache_memory_bytes` holds. `kv_cache_memory_bytes`
     None: 64 MiB on CPU; on GPU 90 % of what the device has free once the weights are loaded. `device` None: this
     process's current CUDA device, else the CPU.
@@ -58,7 +58,7 @@ class HFEngine:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise FileNotFoundError(
-                f"{model_dir!r} has no config.json; HFEngine needs an HF-format model directory "
+                f"{model_dir!r} has no config.json; TransformersEngine needs an HF-format model directory "
                 "(config.json + *.safetensors), e.g. written by save_pretrained"
             )
         self.config = dataclasses.replace(config or TransformersEngineConfig(), **overrides)
@@ -271,4 +271,4 @@ class HFEngine:
         self.runner.shutdown()
 
 
-__all__ = ["DEFAULT_MAX_NUM_SEQS", "HFEngine"]
+__all__ = ["DEFAULT_MAX_NUM_SEQS", "TransformersEngine"]

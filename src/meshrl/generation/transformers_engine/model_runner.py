@@ -89,10 +89,14 @@ class ModelRunner:
             or getattr(cfg, "sliding_window", None)
             and getattr(cfg, "use_sliding_window", False)
         ):
-            raise NotImplementedError(f"HFEngine supports full-attention models only; this one has {layer_types}")
+            raise NotImplementedError(
+                f"TransformersEngine supports full-attention models only; this one has {layer_types}"
+            )
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(cfg, attr, None):
-                raise NotImplementedError(f"HFEngine does not apply {attr} (the model's logits are post-processed)")
+                raise NotImplementedError(
+                    f"TransformersEngine does not apply {attr} (the model's logits are post-processed)"
+                )
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.params = self._param_map()

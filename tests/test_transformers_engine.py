@@ -1,4 +1,5 @@
-"""VLLMEngine against transformers on a tiny random Qwen3 (CPU, fp32, no hub access).
+"""meshrl's 'transformers' engine (TransformersEngine) against transformers on a tiny random Qwen3 (CPU,
+fp32, no hub access).
 
 One engine is started for the whole module (start-up dominates the cost). The weight-update test restores the
 original weights before it returns, so test order does not matter.
@@ -15,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 
-from meshrl.generation.hf_engine import HFEngine, inverse_cdf, uniform_noise, uniform_noise_torch  # noqa: E402
+from meshrl.generation.transformers_engine import TransformersEngine  # noqa: E402
+from meshrl.generation.transformers_engine.sampler import inverse_cdf, uniform_noise, uniform_noise_torch  # noqa: E402
 from meshrl.types import SamplingParams  # noqa: E402
 
 torch.set_num_threads(1)
@@ -103,7 +105,7 @@ def setup(tmp_path_factory):
     model.save_pretrained(model_dir)  # safetensors
     _save_tokenizer(model_dir, eos)
 
-    engine = HFEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    engine = TransformersEngine(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     yield engine, model, eos
     engine.shutdown()
 
@@ -344,7 +346,7 @@ def test_device_loop_equals_per_step_sampling(setup):
 def test_decode_attention_sdpa_matches_matmul(setup):
     """The SDPA decode variant gives the matmul engine's greedy tokens and logprobs (rows of different lengths)."""
     engine, model, _ = setup
-    other = HFEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attn_impl="sdpa")
+    other = TransformersEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attn_impl="sdpa")
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0)
         ref = engine.generate(PROMPTS, params, 0)
@@ -389,7 +391,7 @@ def test_fp8_kv_cache(setup, attn_impl):
     transformers forward whose decode positions attend over the same rounded keys / values, and those differ from
     the exact model's (the rounding is really there); a sleep / wake-up cycle re-makes the cache and its scales."""
     engine, model, _ = setup
-    other = HFEngine(
+    other = TransformersEngine(
         engine.model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, attn_impl=attn_impl, kv_cache_dtype="fp8"
     )
     transformers.AttentionInterface.register("fp8_reference", _fp8_reference_attention)
@@ -443,7 +445,7 @@ def test_fp8_tuned_launch_falls_back_to_the_default_launch(monkeypatch):
 
 def test_fp8_kv_cache_config_errors():
     from meshrl.errors import ConfigError
-    from meshrl.generation.hf_engine import TransformersEngineConfig
+    from meshrl.generation.transformers_engine import TransformersEngineConfig
 
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):
         TransformersEngineConfig(kv_cache_dtype="int8")  # type: ignore[arg-type]
@@ -452,7 +454,7 @@ def test_fp8_kv_cache_config_errors():
 _TRITON_CHECK = """
 import os
 import torch
-from meshrl.generation.hf_engine import decode_attention_triton
+from meshrl.generation.transformers_engine.kernels import decode_attention_triton
 torch.manual_seed(0)
 torch.set_default_device(os.environ.get("CHECK_DEVICE", "cpu"))
 for B, S, Hkv, G, L, D in [(3, 4, 2, 2, 100, 32), (2, 2, 8, 2, 384, 128), (40, 40, 2, 4, 70, 32)]:
@@ -490,7 +492,7 @@ for B, S, Hkv, G, L, D in [(3, 4, 2, 2, 100, 32), (2, 2, 8, 2, 384, 128), (40, 4
     before[rows, :, pos] = k8[rows, :, pos].view(torch.uint8)
     assert torch.equal(k8.view(torch.uint8), before)  # nothing else written
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-from meshrl.generation.hf_engine import rmsnorm_triton
+from meshrl.generation.transformers_engine.kernels import rmsnorm_triton
 for shape in [(5, 1024), (3, 7, 16, 128), (2, 48)]:
     norm = Qwen3RMSNorm(shape[-1], eps=1e-6)
     norm.weight.data = torch.randn(shape[-1])
@@ -686,7 +688,7 @@ def test_remappable_kv_cache_flag_without_cuda(setup):
         assert not engine.remappable_kv and "not a CUDA device" in engine.kv_vmm_fallback
         assert engine.runner.kv_mapped_bytes == 0
     with pytest.raises(ValueError, match="remappable_kv_cache=True, but on cpu"):  # before the model loads
-        HFEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, device="cpu", remappable_kv_cache=True)
+        TransformersEngine(engine.model_dir, max_model_len=MAX_MODEL_LEN, device="cpu", remappable_kv_cache=True)
 
 
 @needs_cuda
@@ -698,7 +700,7 @@ def test_level1_sleep_keeps_cuda_graphs_over_a_remapped_kv_cache(setup):
     model_dir = setup[0].model_dir
     dev = torch.device("cuda", torch.cuda.current_device())
     # 2048 slots of 256 KiB: a 512 MiB cache, well above what else moves in mem_get_info
-    engine = HFEngine(
+    engine = TransformersEngine(
         model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=2048, kv_cache_memory_bytes=2**29, device=dev
     )
     try:
@@ -775,7 +777,7 @@ def test_sleep_wake_sequencing_over_a_remappable_cache_on_host(setup, monkeypatc
 
     monkeypatch.setattr(model_runner, "vmm_supported", lambda device: None)
     monkeypatch.setattr(model_runner, "RemappableBuffer", _HostRemappable)
-    engine = HFEngine(setup[0].model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, device="cpu")
+    engine = TransformersEngine(setup[0].model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, device="cpu")
     try:
         runner = engine.runner
         assert engine.remappable_kv and engine.kv_vmm_fallback is None
