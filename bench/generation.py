@@ -1,7 +1,6 @@
 """Generation throughput: our 'transformers' engine (TransformersEngine: static KV cache, continuous batching,
 CUDA-graph decode steps with sampling on the device) beside transformers `generate` and, with `--vllm`, vLLM, in one
-run on
-one GPU.
+run on one GPU.
 
     python bench/generation.py           # Qwen3-0.6B shape, random weights, bf16, 128-token prompts, 256 new
     python bench/generation.py --vllm --ipc-check   # + vLLM (VLLMEngine: compiled, CUDA graphs) + its IPC load
