@@ -108,7 +108,7 @@ def synthetic(n: int, length: int, vocab: int, rng: random.Random):
 def fits(ctl, handoff, shapes, vocab: int) -> list[dict]:
     from meshrl.algorithms import step_loss_spec
     from meshrl.config import GRPOConfig
-    from meshrl.controller.steps import train_step
+    from meshrl.controller.training import train_step
     from meshrl.types import OptimParams
 
     rows = []
@@ -149,9 +149,9 @@ def standalone(gen, model_dir: str, task, jobs, args) -> list[dict]:
 
         engine = VLLMEngine(model_dir, gen.vllm, **shared)
     else:
-        from meshrl.generation.transformers_engine import TransformersEngine
+        from meshrl.generation.transformers_engine import HFEngine
 
-        engine = TransformersEngine(model_dir, gen.transformers, **shared)
+        engine = HFEngine(model_dir, gen.transformers, **shared)
     rows = [{"start_s": time.perf_counter() - t0}]
     print(f"  standalone {gen.engine}: started in {rows[0]['start_s']:.0f}s", flush=True)
     tok = task.tokenizer
@@ -183,7 +183,7 @@ def rl_job(ctl, handoff, task, prompts: int, group: int, max_tokens: int, args) 
     from meshrl.algorithms import step_loss_spec
     from meshrl.config import GRPOConfig
     from meshrl.controller.grpo import logprob_mismatch
-    from meshrl.controller.steps import train_step
+    from meshrl.controller.training import train_step
     from meshrl.types import Datum, OptimParams, SamplingParams
 
     tok = task.tokenizer

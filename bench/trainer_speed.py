@@ -296,13 +296,13 @@ def actor_loop(
 ) -> tuple[list[float], dict]:
     """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
     the endpoints' cost (Datum pickling, actor calls, returned logprobs) included. As the GRPO loop does it
-    (`controller.steps.train_step`), the `forward_backward` call carries the optimiser step; with
+    (`controller.training.train_step`), the `forward_backward` call carries the optimiser step; with
     `wait_for_results` (config prefix `actor-wait:`) it is a separate `optim_step` call after the result of
     `forward_backward` was read."""
     ensure_meshrl_layout()
     from meshrl.config import ModelConfig, TrainerConfig
     from meshrl.controller.api import Controller
-    from meshrl.controller.steps import train_step
+    from meshrl.controller.training import train_step
     from meshrl.types import Datum, LossSpec, OptimParams
 
     on_gpu = tokens.device.type == "cuda"

@@ -16,7 +16,7 @@ from typing import Any
 
 from meshrl.algorithms import overlong_penalty
 from meshrl.controller.api import Controller
-from meshrl.controller.steps import SampledGroups
+from meshrl.controller.rollouts import SampledGroups
 from meshrl.data.sampler import EpochSampler
 from meshrl.envs import EnvConfig
 from meshrl.envs.base import as_messages, maybe_await
@@ -72,7 +72,7 @@ class EpisodeRollout:
         dp: int,
     ) -> SampledGroups:
         """`cfg.prompts_per_step` groups of `cfg.group_size` episodes (cfg: a GRPOConfig), with DAPO's dynamic
-        sampling and overlong shaping as for single completions (`controller.steps.sample_groups`)."""
+        sampling and overlong shaping as for single completions (`controller.rollouts.sample_groups`)."""
         g, want = cfg.group_size, cfg.prompts_per_step
         out = SampledGroups.start()
         runner = self.runner(ctl)

@@ -19,7 +19,7 @@ from meshrl.config import EvalRunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.grpo import describe_eval
-from meshrl.controller.steps import evaluate
+from meshrl.controller.rollouts import evaluate
 from meshrl.errors import ConfigError, DataError
 from meshrl.preflight import check_run_inputs
 from meshrl.run_dir import RunDir

@@ -37,15 +37,10 @@ from meshrl.controller.api import Controller
 from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.memory import MemoryHandoff
 from meshrl.controller.rollout_buffer import RolloutBuffer
-from meshrl.controller.steps import (
-    RunCheckpoints,
-    RunFailedError,
-    attach_reference_logprobs,
-    evaluate,
-    sample_groups,
-    supervised_warmup,
-    train_step,
-)
+from meshrl.controller.rollouts import evaluate, sample_groups
+from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
+from meshrl.controller.training import attach_reference_logprobs, train_step
+from meshrl.controller.warmup import supervised_warmup
 from meshrl.data.sampler import EpochSampler
 from meshrl.metric_sinks import open_sinks
 from meshrl.plots import plot_training

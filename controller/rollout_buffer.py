@@ -23,7 +23,7 @@ import statistics
 from typing import Any
 
 from meshrl.controller.api import Controller
-from meshrl.controller.steps import LaunchedRound, SampledGroups, launch_round, sample_groups
+from meshrl.controller.rollouts import LaunchedRound, SampledGroups, launch_round, sample_groups
 from meshrl.data.sampler import EpochSampler
 from meshrl.tasks.setup import TaskSetup
 from meshrl.types import SamplingParams

@@ -20,7 +20,9 @@ from tqdm import tqdm
 
 from meshrl.config import EvalConfig, SFTRunConfig
 from meshrl.controller.api import Controller, padding_id
-from meshrl.controller.steps import RunCheckpoints, RunFailedError, eval_nll, evaluate, pad_rows, train_step
+from meshrl.controller.rollouts import evaluate
+from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
+from meshrl.controller.training import eval_nll, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
 from meshrl.metric_sinks import open_sinks
 from meshrl.models.hf_config import max_positions

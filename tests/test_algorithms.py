@@ -406,7 +406,7 @@ def _reverse_setup(**task_kw):
 
 
 def test_dynamic_sampling_never_trains_an_all_equal_group():
-    from meshrl.controller.steps import sample_groups
+    from meshrl.controller.rollouts import sample_groups
     from meshrl.data.sampler import EpochSampler
     from meshrl.types import SamplingParams
 

@@ -81,7 +81,7 @@ def test_dynamic_sampling_with_the_real_generator_and_reward_actor(ctl, base_mod
     """One-token completions of a random model: many groups get the same char_match reward for every sample
     (all wrong). Dynamic sampling must drop exactly those and train only groups with a signal."""
     from meshrl.config import GRPOConfig
-    from meshrl.controller.steps import sample_groups
+    from meshrl.controller.rollouts import sample_groups
     from meshrl.data.sampler import EpochSampler
     from meshrl.render import Renderer
     from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task

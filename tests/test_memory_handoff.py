@@ -30,7 +30,7 @@ def colocated(base_model_dir, tokenizer):
 
 def test_generator_sleeps_while_the_trainer_trains(colocated):
     from meshrl.controller.memory import MemoryHandoff
-    from meshrl.controller.steps import train_step
+    from meshrl.controller.training import train_step
     from meshrl.losses import make_loss_spec
 
     ctl = colocated

@@ -115,7 +115,7 @@ def test_token_budget_step_equals_one_big_batch(ctl, base_model_dir):
     """`train_step` under a small token budget: several calls, uneven per-rank splits (one rank may get nothing),
     packed rows; the update equals one call holding every sequence, and the per-datum logprobs come back in the
     batch's order."""
-    from meshrl.controller.steps import train_step
+    from meshrl.controller.training import train_step
 
     data = random_data(11, seed=12)  # odd: the ranks cannot split it evenly
     probe = random_data(4, seed=13)

@@ -158,7 +158,7 @@ def test_checkpoint_loads_in_transformers_with_trainer_logits(ctl, base_model_di
 
 def test_packed_rows_give_the_same_loss_and_update(ctl, base_model_dir):
     """Sequence packing (document-masked attention, per-document positions) is an optimisation only."""
-    from meshrl.controller.steps import pad_rows
+    from meshrl.controller.training import pad_rows
     from meshrl.data.sft import SFTExample, pack_examples
 
     examples = [SFTExample(d.tokens[:3], d.tokens[3:]) for d in random_data(10, seed=8)]

@@ -171,14 +171,14 @@ def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
 
 
 def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_dir):
-    """Policy -> shared buffer -> TransformersEngine, before and after an optimiser step (CPU backing of the buffer)."""
-    from meshrl.generation.transformers_engine import TransformersEngine
+    """Policy -> shared buffer -> HFEngine, before and after an optimiser step (CPU backing of the buffer)."""
+    from meshrl.generation.hf_engine import HFEngine
     from meshrl.policy import Policy
     from meshrl.types import OptimParams
     from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
 
     p = Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
-    engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
+    engine = HFEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
     rx = None
     try:
         for version in (1, 2):
@@ -233,7 +233,7 @@ def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
 def test_packed_rows_equal_unpacked(one_rank_group, base_model_dir, backend):
     """Sequence packing (several examples per row, attention masked across documents, per-document positions)
     changes the compute, not the math: same per-datum loss sum and same gradients as one example per row."""
-    from meshrl.controller.steps import pad_rows
+    from meshrl.controller.training import pad_rows
     from meshrl.data.sft import SFTExample, pack_examples
     from meshrl.policy import Policy
     from meshrl.types import Datum

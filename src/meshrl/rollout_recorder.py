@@ -38,7 +38,7 @@ class RolloutRecorder:
         truncate_rollouts(self.path, start_step)
 
     def write(self, step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any]) -> None:
-        """`batch`: the step's SampledGroups (controller/steps.py); `rewards` / `advantages`: per trained sample,
+        """`batch`: the step's SampledGroups (controller/rollouts.py); `rewards` / `advantages`: per trained sample,
         as the loss gets them."""
         if not self.every or step % self.every:
             return

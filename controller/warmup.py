@@ -1,0 +1,56 @@
+"""The supervised warm-up before RL: a short cross-entropy phase on the task's reference answers."""
+
+from __future__ import annotations
+
+import random
+
+from meshrl.controller.api import Controller
+from meshrl.controller.training import train_step
+from meshrl.errors import ConfigError
+from meshrl.schedule import lr_at
+from meshrl.tasks.setup import TaskSetup
+from meshrl.types import Datum, LossSpec, OptimParams
+
+
+def supervised_warmup(
+    ctl: Controller,
+    setup: TaskSetup,
+    cfg,
+    *,
+    micro_batch_size: int,
+    optim,
+    seed: int,
+    max_len: int,
+    log,
+    demos: list[Datum] | None = None,
+) -> None:
+    """A short cross-entropy phase on the task's reference answers, rendered like the RL prompts (a completion
+    the generator would sample), through the same forward_backward / optim_step endpoints as RL (the loss on
+    response tokens only)."""
+    from tqdm import tqdm
+
+    if demos is None:  # `demos`: given by a multi-turn run (whole demonstrated episodes)
+        demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
+    if len(demos) < cfg.batch_size:
+        raise ConfigError(
+            f"warmup.batch_size={cfg.batch_size}, but only {len(demos)} training rows have a reference answer that "
+            f"fits in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
+        )
+    rng = random.Random(seed)
+    for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
+        data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]
+        loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+        lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
+        params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
+        results, opt, _ = train_step(ctl, data, loss, micro_batch_size, params)
+        nll = sum(r.loss for r in results)
+        log(
+            {
+                "phase": "warmup",
+                "step": step,
+                "loss": nll,
+                "grad_norm": opt.grad_norm,
+                "lr": lr,
+                "policy_version": opt.policy_version,
+            }
+        )
