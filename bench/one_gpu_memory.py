@@ -149,9 +149,9 @@ def standalone(gen, model_dir: str, task, jobs, args) -> list[dict]:
 
         engine = VLLMEngine(model_dir, gen.vllm, **shared)
     else:
-        from meshrl.generation.transformers_engine import HFEngine
+        from meshrl.generation.transformers_engine import TransformersEngine
 
-        engine = HFEngine(model_dir, gen.transformers, **shared)
+        engine = TransformersEngine(model_dir, gen.transformers, **shared)
     rows = [{"start_s": time.perf_counter() - t0}]
     print(f"  standalone {gen.engine}: started in {rows[0]['start_s']:.0f}s", flush=True)
     tok = task.tokenizer

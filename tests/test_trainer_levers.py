@@ -171,14 +171,14 @@ def test_fused_chunk_math_equals_the_in_place_path(monkeypatch):
 
 
 def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_dir):
-    """Policy -> shared buffer -> HFEngine, before and after an optimiser step (CPU backing of the buffer)."""
-    from meshrl.generation.hf_engine import HFEngine
+    """Policy -> shared buffer -> TransformersEngine, before and after an optimiser step (CPU backing of the buffer)."""
+    from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.policy import Policy
     from meshrl.types import OptimParams
     from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
 
     p = Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
-    engine = HFEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
+    engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
     rx = None
     try:
         for version in (1, 2):
