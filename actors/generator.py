@@ -8,8 +8,8 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshrl.devices import pin_process
 from meshrl.generation.base import Engine
-from meshrl.placement import pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
 from meshrl.weight_sync.cuda_ipc import device_identity

@@ -8,7 +8,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.placement import machine_identity, pin_process
+from meshrl.devices import machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity

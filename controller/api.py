@@ -25,7 +25,7 @@ from meshrl.controller.futures import ActorDiedError, Pending, _rank0  # noqa: F
 from meshrl.controller.provision import Provisioner
 from meshrl.controller.replicas import ReplicaPool, RestartBudget, WatchedMesh
 from meshrl.controller.weight_sync import WeightSync, WeightSyncTiming
-from meshrl.placement import machine_identity
+from meshrl.devices import machine_identity
 from meshrl.rewards import RewardSet, ScoredSample
 from meshrl.types import (
     Completion,

@@ -34,7 +34,7 @@ def test_generator_sleeps_while_the_trainer_trains(colocated):
     from meshrl.losses import make_loss_spec
 
     ctl = colocated
-    assert ctl.generator_info[0]["cuda_visible_devices"] == "1"  # meshrl.placement pinned the replica
+    assert ctl.generator_info[0]["cuda_visible_devices"] == "1"  # meshrl.devices pinned the replica
     handoff = MemoryHandoff(ctl, sleep_level=1)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     prompts = [[5, 6, 7], [8, 9]]

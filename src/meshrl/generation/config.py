@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from meshrl.devices import check_devices
 from meshrl.errors import ConfigError
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.vllm_config import VLLMEngineConfig
-from meshrl.placement import check_devices
 
 if TYPE_CHECKING:
     from meshrl.models.config import TrainerConfig
@@ -62,7 +62,7 @@ class GeneratorConfig:
     for an asynchronous GRPO run with a CPU trainer (measured 0.72x vs 0.83x of the synchronous loop's RL time on 2
     cores, bench/NOTES.md), else 0."""
     devices: list[int] | None = None
-    """GPU index of each generator replica: replica r computes on devices[r % len(devices)] (meshrl.placement).
+    """GPU index of each generator replica: replica r computes on devices[r % len(devices)] (meshrl.devices).
     None: every replica on the default GPU (0). E.g. --trainer.devices 0 --generator.devices 1 puts trainer and
     generator on separate GPUs."""
     sleep_level: int | None = None

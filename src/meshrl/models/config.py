@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from meshrl.devices import check_devices
 from meshrl.errors import ConfigError
-from meshrl.placement import check_devices
 
 
 @dataclass
@@ -89,7 +89,7 @@ class TrainerConfig:
     step starts, over an estimate of the memory per token (meshrl.batching), so long completions never need a
     hand-set micro_batch_size."""
     devices: list[int] | None = None
-    """GPU index of each trainer rank (rank r on devices[r]; meshrl.placement). None: rank r on its LOCAL_RANK.
+    """GPU index of each trainer rank (rank r on devices[r]; meshrl.devices). None: rank r on its LOCAL_RANK.
     Needs device='cuda' and one entry per rank."""
     pack_sequences: bool = True
     """The sequences of a call share rows (attention masked between them, positions restarting per sequence)

@@ -11,7 +11,7 @@ bytes need not travel at all:
 - get: the volume sends the stored tensor's file name; the client maps it (no copy: the tensor it gets is a view
   of the volume's memory, valid after the volume drops the key too).
 
-Whether both sides share /dev/shm is decided by comparing `placement.machine_identity()` (boot id and the /dev/shm
+Whether both sides share /dev/shm is decided by comparing `devices.machine_identity()` (boot id and the /dev/shm
 mount): a put to a volume elsewhere is refused by the volume (`ShmUnreachable`) and re-sent through a Monarch message
 (`torchstore_compat` does that, and stops trying shared memory from that process); a get from elsewhere gets the
 tensor inside the message. A /dev/shm too small for a chunk is an OSError while writing (ENOSPC), never a SIGBUS
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torchstore.transport.buffers import TransportBuffer
 
-from meshrl.placement import machine_identity
+from meshrl.devices import machine_identity
 from meshrl.weight_sync.cuda_ipc import _shm_dir
 
 

@@ -1,4 +1,4 @@
-"""Process placement on GPUs (meshrl.placement): which GPU each trainer rank and generator replica sees, checked
+"""Pinning processes to GPUs (meshrl.devices): which GPU each trainer rank and generator replica sees, checked
 without a GPU (the pinning is an environment variable set before CUDA starts)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from meshrl.config import ConfigError, GeneratorConfig, TrainerConfig
-from meshrl.placement import device_of, pin_process
+from meshrl.devices import device_of, pin_process
 
 
 def test_each_role_gets_its_devices():
@@ -67,10 +67,10 @@ def test_machine_identity_is_shared_by_the_processes_of_this_machine():
     import subprocess
     import sys
 
-    from meshrl.placement import machine_identity
+    from meshrl.devices import machine_identity
 
     out = subprocess.run(
-        [sys.executable, "-c", "from meshrl.placement import machine_identity; print(machine_identity())"],
+        [sys.executable, "-c", "from meshrl.devices import machine_identity; print(machine_identity())"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == machine_identity() and machine_identity().count("/") == 2
