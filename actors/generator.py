@@ -12,8 +12,8 @@ from meshrl.devices import pin_process
 from meshrl.generation.base import Engine
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
-from meshrl.weight_sync.cuda_ipc import device_identity
 from meshrl.weight_sync.pubsub import DEFAULT_STORE
+from meshrl.weight_sync.shared_buffer import device_identity
 
 
 class StaleWeightsError(RuntimeError):
@@ -123,7 +123,7 @@ class Generator(Actor):
     @endpoint
     async def attach_weight_buffer(self, handle) -> str:
         """Pull weights from now on from the trainer's shared buffer ('cuda_ipc' / 'shm' transport; `handle`:
-        `meshrl.weight_sync.cuda_ipc.CudaIpcHandle`, sent once by the controller). Returns the transport."""
+        `meshrl.weight_sync.shared_buffer.SharedBufferHandle`, sent once by the controller). Returns the transport."""
         from meshrl.weight_sync.pubsub import SharedBufferSubscriber
 
         if self.subscriber is not None:

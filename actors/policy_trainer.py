@@ -11,8 +11,8 @@ from monarch.actor import Actor, current_rank, endpoint
 from meshrl.devices import machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, device_identity
 from meshrl.weight_sync.pubsub import DEFAULT_STORE, StorePublisher, make_publisher
+from meshrl.weight_sync.shared_buffer import SharedBufferHandle, device_identity
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -140,7 +140,7 @@ class PolicyTrainer(Actor):
             return await self.publisher.publish(self._policy(), version, _DTYPES[dtype])
 
     @endpoint
-    async def weight_buffer(self) -> CudaIpcHandle | None:
+    async def weight_buffer(self) -> SharedBufferHandle | None:
         """The shared buffer's handle (rank 0, after the first push with a shared-buffer transport), else None."""
         return self.publisher.handle()
 

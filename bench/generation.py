@@ -9,7 +9,7 @@ run on one GPU.
 vLLM runs last (after the other engines freed the GPU), through the project's VLLMEngine (enforce_eager=False,
 gpu_memory_utilization 0.6, token ids in and out, logprobs of the sampled token, seeded per prompt); its first
 call per batch size is untimed like TransformersEngine's. `--ipc-check` then exercises vLLM's same-GPU weight load
-(worker extension `meshrl_update_weights_ipc`): this process plays the trainer (a CudaIpcSender over the
+(worker extension `meshrl_update_weights_ipc`): this process plays the trainer (a SharedBufferSender over the
 weights), greedy output before / after loading other weights / after loading the original weights again
 (must equal "before" exactly), and the time of each load beside `VLLMEngine.load_weights` (host path).
 `--breakdown` times single decode-graph replays at the largest batch (forward alone, and forward + sampling),
@@ -152,7 +152,7 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
     from safetensors.torch import load_file
 
     from meshrl.types import SamplingParams
-    from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+    from meshrl.weight_sync.shared_buffer import SharedBufferSender
 
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     sd_a = {}
@@ -162,7 +162,7 @@ def ipc_check(engine, model_dir: str, dev: torch.device, prompts: list[list[int]
     sd_a = {k: sd_a[k] for k in sorted(sd_a)}  # tied: trainer sends no head
     g = torch.Generator(device=dev).manual_seed(1)
     sd_b = {k: v + 0.02 * torch.randn(v.shape, generator=g, device=dev, dtype=v.dtype) for k, v in sd_a.items()}
-    sender = CudaIpcSender.for_state_dict(sd_a, dev, dtype=torch.bfloat16)
+    sender = SharedBufferSender.for_state_dict(sd_a, dev, dtype=torch.bfloat16)
     handle = sender.handle()
     greedy = SamplingParams(max_tokens=min(32, engine.max_model_len - len(prompts[0])), temperature=0.0)
     res: dict = {

@@ -1,4 +1,4 @@
-"""Weight sync trainer -> generator on one GPU: CUDA IPC (meshrl.weight_sync.cuda_ipc) beside a host round trip
+"""Weight sync trainer -> generator on one GPU: CUDA IPC (meshrl.weight_sync.shared_buffer) beside a host round trip
 and, when Monarch + torchstore are importable, the torchstore path.
 
     python bench/weight_sync.py [--torchstore]    # Qwen3-0.6B shape, random weights, bf16 transfer dtype
@@ -8,7 +8,7 @@ Two processes: this one is the trainer (the real `Policy`, 'hf' backend: FSDP2 o
 master weights), a spawned one is the generator (the real `TransformersEngine`). Per version the trainer changes its
 weights in place (so every version differs), then:
 - cuda_ipc: `Policy.publish_weights_ipc(v)` (live weights -> cast to bf16 -> the shared flat buffer, device
-  sync, version mark), a pipe message, and in the generator `CudaIpcReceiver.load_into(engine, v)` (views ->
+  sync, version mark), a pipe message, and in the generator `SharedBufferReceiver.load_into(engine, v)` (views ->
   engine weights, device sync). End to end = from the start of the publish until the generator's reply.
 - host round trip: the same protocol with the flat buffer in host shared memory (/dev/shm): GPU -> host ->
   GPU, the baseline of a transport that stages through host memory.
@@ -32,18 +32,18 @@ from common import environment, make_model_dir, median, print_table, sync, write
 
 def generator_proc(conn, model_dir: str, device: str) -> None:
     from meshrl.generation.transformers_engine import TransformersEngine
-    from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver, device_identity
+    from meshrl.weight_sync.shared_buffer import SharedBufferReceiver, device_identity
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     engine = TransformersEngine(model_dir, dtype="bfloat16", max_model_len=256, max_num_seqs=8, device=device)
     conn.send(("ready", device_identity(device)))
-    receivers: dict[str, CudaIpcReceiver] = {}
+    receivers: dict[str, SharedBufferReceiver] = {}
     while True:
         msg = conn.recv()
         if msg[0] == "open":
             t0 = time.perf_counter()
-            receivers[msg[1]] = CudaIpcReceiver(msg[2])
+            receivers[msg[1]] = SharedBufferReceiver(msg[2])
             conn.send(time.perf_counter() - t0)
         elif msg[0] == "load":
             t0 = time.perf_counter()
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from meshrl.policy import Policy
-    from meshrl.weight_sync.cuda_ipc import CudaIpcSender, choose_transport, device_identity
+    from meshrl.weight_sync.shared_buffer import SharedBufferSender, choose_transport, device_identity
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if dev.type == "cuda":
@@ -152,7 +152,7 @@ def main() -> None:
         recv()
         version = run("cuda_ipc", lambda v: policy.publish_weights_ipc(v, bf16), version + 1)
 
-    host = CudaIpcSender.for_state_dict(hf0, "cpu", dtype=bf16)
+    host = SharedBufferSender.for_state_dict(hf0, "cpu", dtype=bf16)
     conn.send(("open", "host_round_trip", host.handle()))
     recv()
     run("host_round_trip", lambda v: host.publish(policy.backend.hf_state_dict(snapshot=False), v), 1)

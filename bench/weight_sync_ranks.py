@@ -9,7 +9,7 @@ master weights), one Generator (transformers engine) and the run's torchstore. P
 publishes the trainer's weights (cast to bf16) and waits until the generator has loaded them: push = the trainer
 ranks' publish, pull = the generator's fetch + load; end to end = both. Modes, in the same run:
 - sharded (the default): each rank puts its own shards into its own storage volume (`weight_sync/shards.py`),
-  through shared memory where client and volume share a host (`weight_sync/shm_transport.py`);
+  through shared memory where client and volume share a host (`weight_sync/torchstore_shm.py`);
 - sharded-msg: the same, every byte inside Monarch messages (MESHRL_TORCHSTORE_SHM=0, as across hosts);
 - gather (the baseline): the whole model gathered to rank 0, which alone puts it, inside Monarch messages (the
   layout before this change, with the same chunked transfer; `set_weight_sync(..., gather=True)`);

@@ -36,7 +36,7 @@ from meshrl.types import (
     OptimResult,
     SamplingParams,
 )
-from meshrl.weight_sync.cuda_ipc import remove_stale_files
+from meshrl.weight_sync.shared_buffer import remove_stale_files
 from meshrl.weight_sync.store import DEFAULT_STORE, init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 

@@ -124,11 +124,11 @@ def test_weights_load_while_asleep(engine, level):
 
 
 def test_load_weights_ipc_from_a_shared_buffer(engine):
-    from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+    from meshrl.weight_sync.shared_buffer import SharedBufferSender
 
     base = {k: v.clone() for k, v in engine.model.state_dict().items()}
     new = {k: v + 0.25 for k, v in base.items() if k != "lm_head.weight"}
-    sender = CudaIpcSender.for_state_dict(new, "cpu", dtype=torch.float32)
+    sender = SharedBufferSender.for_state_dict(new, "cpu", dtype=torch.float32)
     try:
         sender.publish(new, 3)
         engine.sleep(1)

@@ -175,7 +175,7 @@ def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_
     from meshrl.generation.transformers_engine import TransformersEngine
     from meshrl.policy import Policy
     from meshrl.types import OptimParams
-    from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+    from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
 
     p = Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
     engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
@@ -183,7 +183,7 @@ def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_
     try:
         for version in (1, 2):
             handle = p.publish_weights_ipc(version, torch.float32)
-            rx = rx or CudaIpcReceiver(handle)
+            rx = rx or SharedBufferReceiver(handle)
             assert rx.load_into(engine, version) == version
             engine_sd = engine.model.state_dict()
             for name, t in p.hf_state_dict().items():

@@ -330,15 +330,15 @@ def test_weight_payload_round_trips_exactly_through_untyped_msgpack():
 
 
 def test_ipc_handle_round_trips_through_untyped_msgpack():
-    from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcSender
+    from meshrl.weight_sync.shared_buffer import SharedBufferHandle, SharedBufferSender
 
     sd = {"a": torch.randn(4, 4).to(torch.bfloat16), "b": torch.arange(3)}
-    sender = CudaIpcSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
+    sender = SharedBufferSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
     try:
         handle = sender.handle()
         blob, version = _untyped_msgpack_roundtrip((encode_object(handle), 4))
         got = decode_object(blob)
-        assert isinstance(got, CudaIpcHandle) and got == handle and version == 4
+        assert isinstance(got, SharedBufferHandle) and got == handle and version == 4
         assert got.layout.specs[0].dtype == "bfloat16" and got.buffer[0] == "shm"
         assert decode_object(handle) is handle  # an unencoded handle passes through
         (dict_handle, _) = _untyped_msgpack_roundtrip((handle, 4))
@@ -349,7 +349,7 @@ def test_ipc_handle_round_trips_through_untyped_msgpack():
 
 def _multiprocess_child(model_dir: str, workdir: str) -> None:
     """Runs in a fresh interpreter with VLLM_ENABLE_V1_MULTIPROCESSING=1 (see the test below)."""
-    from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+    from meshrl.weight_sync.shared_buffer import SharedBufferSender
 
     data = torch.load(os.path.join(workdir, "in.pt"))
     engine = VLLMEngine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=64 * 2**20)
@@ -358,7 +358,7 @@ def _multiprocess_child(model_dir: str, workdir: str) -> None:
     out["a0"] = engine.prompt_logprobs(seqs)
     engine.load_weights(data["sd_b"])  # host path: tensors through collective_rpc
     out["b_host"] = engine.prompt_logprobs(seqs)
-    sender = CudaIpcSender.for_state_dict(data["sd_a"], "cpu", dtype=torch.float32)  # 'shm' transport
+    sender = SharedBufferSender.for_state_dict(data["sd_a"], "cpu", dtype=torch.float32)  # 'shm' transport
     try:
         sender.publish(data["sd_a"], 5)
         out["v_latest"] = engine.load_weights_ipc(sender.handle())

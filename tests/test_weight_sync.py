@@ -163,10 +163,10 @@ def test_missing_version_raises_fast(ranks):
 
 
 def _shm_files() -> int:
-    """Chunks the storage volume holds in /dev/shm (meshrl.weight_sync.shm_transport: one file per chunk)."""
-    from meshrl.weight_sync.cuda_ipc import _shm_dir
+    """Chunks the storage volume holds in /dev/shm (meshrl.weight_sync.torchstore_shm: one file per chunk)."""
+    from meshrl.weight_sync.shared_buffer import shm_dir
 
-    return len([n for n in os.listdir(_shm_dir()) if n.startswith("meshrl-wsync-") and "-ts-" in n])
+    return len([n for n in os.listdir(shm_dir()) if n.startswith("meshrl-wsync-") and "-ts-" in n])
 
 
 def test_delete(ranks):

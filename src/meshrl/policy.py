@@ -34,7 +34,7 @@ from meshrl.optim import FusedAdamW, host_copy_when_ready
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:
-    from meshrl.weight_sync.cuda_ipc import CudaIpcHandle
+    from meshrl.weight_sync.shared_buffer import SharedBufferHandle
 
 
 def collate(
@@ -573,18 +573,18 @@ class Policy:
         whole tensors are needed to convert them (LoRA merge; an adapter that fuses): use `hf_state_dict`."""
         return self.backend.hf_shards()
 
-    def publish_weights_ipc(self, version: int, dtype: torch.dtype) -> CudaIpcHandle | None:
-        """Same-GPU weight sync (`meshrl.weight_sync.cuda_ipc`). Collective (the full weights are gathered);
+    def publish_weights_ipc(self, version: int, dtype: torch.dtype) -> SharedBufferHandle | None:
+        """Same-GPU weight sync (`meshrl.weight_sync.shared_buffer`). Collective (the full weights are gathered);
         rank 0 copies them, cast to `dtype`, into its shared flat buffer (allocated on the first call) and
         publishes `version`. Returns the handle on rank 0 (send it to the generator once), None elsewhere."""
-        from meshrl.weight_sync.cuda_ipc import CudaIpcSender
+        from meshrl.weight_sync.shared_buffer import SharedBufferSender
 
         hf = self.backend.hf_state_dict(snapshot=False)  # copied into the buffer right away
         if self.rank != 0:
             return None
         sender = getattr(self, "_ipc_sender", None)
         if sender is None:
-            sender = self._ipc_sender = CudaIpcSender.for_state_dict(hf, self.device, dtype=dtype)
+            sender = self._ipc_sender = SharedBufferSender.for_state_dict(hf, self.device, dtype=dtype)
         sender.publish(hf, version)
         return sender.handle()
 

@@ -80,7 +80,7 @@ class Engine(Protocol):
         ...
 
     def load_weights_ipc(self, handle: Any, version: int | None = None) -> int:
-        """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`
+        """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.shared_buffer`
         handle); returns the version loaded. The handle is opened once and kept."""
         ...
 

@@ -347,7 +347,7 @@ class VLLMEngine:
         self.load_weights(whole_tensors(pieces))
 
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
-        """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.cuda_ipc`; on CPU its
+        """Like `load_weights`, from a same-GPU trainer's shared buffer (`meshrl.weight_sync.shared_buffer`; on CPU its
         /dev/shm backing): each worker opens `handle` once and copies GPU to GPU, with no trip through host
         memory. Loads `version` (None: the latest published) and returns the version loaded."""
         n = len(handle.layout.specs)

@@ -76,7 +76,7 @@ def decode_weights(payload: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def encode_object(obj: Any) -> bytes:
-    """Any picklable object (e.g. a `CudaIpcHandle`) -> bytes that cross `collective_rpc` intact."""
+    """Any picklable object (e.g. a `SharedBufferHandle`) -> bytes that cross `collective_rpc` intact."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -117,22 +117,22 @@ class WeightUpdateExtension:
         return len(pairs)
 
     def meshrl_update_weights_ipc(self, handle, version: int | None = None) -> tuple[int, int]:
-        """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`)
-        in place. `handle` is a `CudaIpcHandle`, or one encoded with `encode_object` (what `VLLMEngine` sends).
+        """Load `version` (None: the latest) from a trainer's shared flat buffer (`meshrl.weight_sync.shared_buffer`)
+        in place. `handle` is a `SharedBufferHandle`, or one encoded with `encode_object` (what `VLLMEngine` sends).
         Returns (the version loaded, how many tensors).
 
         The handle is opened once per worker and kept (opening CUDA IPC memory is the slow part); every later
         call only copies from the views. The slot stays locked against the trainer while vLLM copies from it.
         Only a worker on the trainer's GPU can open a CUDA handle (same-GPU, colocated layout); a /dev/shm-backed
         handle (CPU) opens in any process of the host."""
-        from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+        from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
 
         handle = decode_object(handle)
         rx = getattr(self, "_meshrl_ipc_receiver", None)
         if rx is None or rx.handle.control_path != handle.control_path:
             if rx is not None:
                 rx.close()
-            rx = CudaIpcReceiver(handle)
+            rx = SharedBufferReceiver(handle)
             self._meshrl_ipc_receiver = rx
         with rx.read(version) as (got, views):
             return got, self.meshrl_update_weights(views.items())

@@ -1,7 +1,7 @@
 """Policy weight sync (trainer -> generators): over torchstore (``store.py``) or, trainer and generator on one
-GPU, over CUDA IPC (``cuda_ipc.py``; on CPU the same buffer in /dev/shm). ``transport.py`` picks one per run.
+GPU, over CUDA IPC (``shared_buffer.py``; on CPU the same buffer in /dev/shm). ``transport.py`` picks one per run.
 
-The torchstore names are resolved lazily: importing this package (e.g. for ``meshrl.weight_sync.cuda_ipc``)
+The torchstore names are resolved lazily: importing this package (e.g. for ``meshrl.weight_sync.shared_buffer``)
 must not import Monarch or torchstore, which a generator or benchmark process may not have.
 """
 

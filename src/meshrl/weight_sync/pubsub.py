@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from meshrl.weight_sync.cuda_ipc import CudaIpcHandle, CudaIpcReceiver, remove_shared_files
+from meshrl.weight_sync.shared_buffer import SharedBufferHandle, SharedBufferReceiver, remove_shared_files
 
 if TYPE_CHECKING:
     from meshrl.generation.base import Engine
@@ -102,7 +102,7 @@ class SharedBufferPublisher:
         if transport not in SHARED_BUFFER_TRANSPORTS:
             raise ValueError(f"{transport!r} is not a shared-buffer transport ({SHARED_BUFFER_TRANSPORTS})")
         self.transport = transport
-        self._handle: CudaIpcHandle | None = None
+        self._handle: SharedBufferHandle | None = None
 
     async def publish(self, policy: Any, version: int, dtype: torch.dtype) -> int:
         handle = policy.publish_weights_ipc(version, dtype)  # collective; the handle on rank 0 only
@@ -114,7 +114,7 @@ class SharedBufferPublisher:
         self._handle = handle
         return handle.layout.payload_nbytes
 
-    def handle(self) -> CudaIpcHandle | None:
+    def handle(self) -> SharedBufferHandle | None:
         return self._handle
 
     def close(self) -> None:
@@ -157,15 +157,15 @@ class StoreSubscriber:
 class SharedBufferSubscriber:
     """'cuda_ipc' / 'shm': the handle (sent once) and `load(engine, version)`, which loads exactly `version` or
     raises. The trainer only overwrites a slot that is neither the latest version nor being read, and a reader only
-    reads a slot marked with the version it asked for (`cuda_ipc.py`), so what is loaded is one whole version."""
+    reads a slot marked with the version it asked for (`shared_buffer.py`), so what is loaded is one whole version."""
 
-    def __init__(self, handle: CudaIpcHandle, engine: Engine) -> None:
+    def __init__(self, handle: SharedBufferHandle, engine: Engine) -> None:
         self.handle = handle
         # vLLM copies inside its worker processes, which open the handle themselves (`engine.load_weights_ipc`); an
         # engine that loads in this process (TransformersEngine) loads views that this process maps once, here, so a bad
         # handle fails now.
         self._in_workers = engine.loads_in_workers
-        self._receiver = None if self._in_workers else CudaIpcReceiver(handle)
+        self._receiver = None if self._in_workers else SharedBufferReceiver(handle)
 
     @property
     def transport(self) -> str:

@@ -13,7 +13,7 @@ or get is two controller RPCs plus a payload message, and with ~300 tensors of v
 cost dominates; one 256 MiB message, on the other hand, moves at a fraction of the rate of many mid-sized ones
 in flight together. Measured on this 2-core CPU, 256 MiB through torchstore's messages: 16 MiB chunks with 16 in
 flight moved 0.7-1.0 GiB/s each way, one 256 MiB tensor 0.1-0.2 GiB/s. (On one host the chunks go through /dev/shm
-instead, `shm_transport.py`; the chunking still sets how many puts and gets there are.)
+instead, `torchstore_shm.py`; the chunking still sets how many puts and gets there are.)
 
 No Monarch or torchstore in here.
 """

@@ -160,9 +160,9 @@ async def shutdown_weight_store(store_name: str = DEFAULT_STORE) -> None:
         mesh = _owned_meshes.pop(store_name, None)
         if mesh is not None:
             await mesh.stop()
-            from meshrl.weight_sync.cuda_ipc import remove_stale_files
+            from meshrl.weight_sync.shared_buffer import remove_stale_files
 
-            remove_stale_files()  # the stopped volumes' chunks in /dev/shm (shm_transport.py), if any were left
+            remove_stale_files()  # the stopped volumes' chunks in /dev/shm (torchstore_shm.py), if any were left
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ monarch 0.7.0. Three things need fixing, all done by :func:`apply_torchstore_com
    single tensor) so the import changes nothing.
 
 4. **Shared memory on one host** (not a fix; a faster path): between a client and a storage volume that share
-   /dev/shm, tensors travel as files there instead of inside Monarch messages (`shm_transport.py`, which says
+   /dev/shm, tensors travel as files there instead of inside Monarch messages (`torchstore_shm.py`, which says
    why and by how much). A volume elsewhere falls back to messages by itself. ``MESHRL_TORCHSTORE_SHM=0`` turns
    it off (the benchmarks' baseline).
 
@@ -140,13 +140,13 @@ _shm_puts = True  # this process still tries shared memory for its puts (a volum
 
 
 def _use_shared_memory_on_one_host() -> None:
-    """Point 4: tensors between a client and a volume on one host go through /dev/shm (`shm_transport.py`) instead
+    """Point 4: tensors between a client and a volume on one host go through /dev/shm (`torchstore_shm.py`) instead
     of inside Monarch messages; RDMA, where enabled, keeps precedence. MESHRL_TORCHSTORE_SHM=0 turns it off."""
     if os.environ.get("MESHRL_TORCHSTORE_SHM", "1") == "0":
         return
     from torchstore.transport import pipe as ts_pipe
 
-    from meshrl.weight_sync.shm_transport import ShmTransportBuffer
+    from meshrl.weight_sync.torchstore_shm import ShmTransportBuffer
 
     monarch_buffer = ts_pipe.Pipe.create_transport_buffer
     put = ts_pipe.Pipe.put_to_storage_volume

@@ -6,7 +6,7 @@ publisher / subscriber pairs of `pubsub.py`. No Monarch in here: the controller 
   `shards.py`). Works whatever the placement; no rank gathers the model; the weights travel through host memory.
 - 'cuda_ipc': generators on trainer rank 0's GPU (the colocated layout). Rank 0 copies the weights into one
   persistent flat buffer on that GPU; generators copy out of it through a CUDA IPC handle sent to them once
-  (`cuda_ipc.py`). No host round trip.
+  (`shared_buffer.py`). No host round trip.
 - 'shm': the same flat buffer and version protocol, backed by a /dev/shm file instead of GPU memory, for a CPU
   trainer and CPU generators on one host. It is not CUDA IPC: it exists so that CPU runs (and the CPU tests)
   go through the shared-buffer path of the actors for real.
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from meshrl.errors import ConfigError
 from meshrl.generation.config import WEIGHT_SYNC_TRANSPORTS
-from meshrl.weight_sync.cuda_ipc import choose_transport
 from meshrl.weight_sync.pubsub import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
+from meshrl.weight_sync.shared_buffer import choose_transport
 
 
 def _host(identity: str) -> str:
@@ -29,7 +29,7 @@ def _host(identity: str) -> str:
 
 
 def resolve_transport(requested: str, trainer: str, generators: Sequence[str]) -> str:
-    """The transport to run with. `trainer`: the `cuda_ipc.device_identity` of trainer rank 0 (the rank that
+    """The transport to run with. `trainer`: the `shared_buffer.device_identity` of trainer rank 0 (the rank that
     publishes); `generators`: those of every generator. An explicit shared-buffer transport that cannot work
     with this placement is a `ConfigError` naming what to set instead."""
     if requested not in WEIGHT_SYNC_TRANSPORTS:

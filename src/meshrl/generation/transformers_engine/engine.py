@@ -210,15 +210,15 @@ class TransformersEngine:
         self.runner.load_weight_pieces(pieces)
 
     def load_weights_ipc(self, handle, version: int | None = None) -> int:
-        """`load_weights` from a trainer's shared flat buffer (`meshrl.weight_sync.cuda_ipc`: a same-GPU CUDA buffer
-        or its /dev/shm backing on CPU), opened once in this process and kept; returns the version loaded."""
-        from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
+        """`load_weights` from a trainer's shared flat buffer (`meshrl.weight_sync.shared_buffer`: a same-GPU CUDA
+        buffer or its /dev/shm backing on CPU), opened once in this process and kept; returns the version loaded."""
+        from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
 
         rx = self._ipc_receiver
         if rx is None or rx.handle.control_path != handle.control_path:
             if rx is not None:
                 rx.close()
-            rx = self._ipc_receiver = CudaIpcReceiver(handle)
+            rx = self._ipc_receiver = SharedBufferReceiver(handle)
         return rx.load_into(self, version)
 
     # ------------------------------------------------------------------ sleep mode (colocated trainer)

@@ -1,4 +1,4 @@
-"""Same-GPU weight sync (meshrl.weight_sync.cuda_ipc). On CPU: the flat layout (pack / views / unpack),
+"""Same-GPU weight sync (meshrl.weight_sync.shared_buffer). On CPU: the flat layout (pack / views / unpack),
 `choose_transport`, the version and slot rules, and the whole publish/read protocol over the CPU backing (a
 /dev/shm file instead of a CUDA IPC handle), in one process and across two. Tests named `*_gpu` need CUDA."""
 
@@ -12,11 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from meshrl.weight_sync.cuda_ipc import (
+from meshrl.weight_sync.shared_buffer import (
     ALIGN,
-    CudaIpcReceiver,
-    CudaIpcSender,
     FlatLayout,
+    SharedBufferReceiver,
+    SharedBufferSender,
     VersionControl,
     WeightVersionUnavailable,
     choose_transport,
@@ -118,9 +118,9 @@ def test_version_rules(tmp_path):
 
 
 def test_publish_read_protocol_cpu_backing():
-    sender = CudaIpcSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.bfloat16)
+    sender = SharedBufferSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.bfloat16)
     try:
-        rx = CudaIpcReceiver(pickle.loads(pickle.dumps(sender.handle())))
+        rx = SharedBufferReceiver(pickle.loads(pickle.dumps(sender.handle())))
         with pytest.raises(WeightVersionUnavailable, match="no weights"):
             with rx.read():
                 pass
@@ -158,10 +158,10 @@ def test_load_into_transformers_engine(base_model_dir):
     engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
     base = load_hf_state_dict(base_model_dir)
     new = {k: v + 0.5 for k, v in base.items()}
-    sender = CudaIpcSender.for_state_dict(new, "cpu", dtype=torch.float32)
+    sender = SharedBufferSender.for_state_dict(new, "cpu", dtype=torch.float32)
     try:
         sender.publish(new, 5)
-        rx = CudaIpcReceiver(sender.handle())
+        rx = SharedBufferReceiver(sender.handle())
         assert rx.load_into(engine, 5) == 5
         params = engine.model.state_dict()
         for k, v in new.items():
@@ -175,8 +175,8 @@ def test_load_into_transformers_engine(base_model_dir):
 _CHILD = textwrap.dedent(
     """
     import pickle, sys, torch
-    from meshrl.weight_sync.cuda_ipc import CudaIpcReceiver
-    rx = CudaIpcReceiver(pickle.loads(sys.stdin.buffer.read()))
+    from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
+    rx = SharedBufferReceiver(pickle.loads(sys.stdin.buffer.read()))
     with rx.read() as (v, views):
         print(v, float(sum(t.double().sum() for t in views.values())), views["model.norm.weight"].device)
     """
@@ -196,7 +196,7 @@ def _checksum(sd, dtype) -> float:
 
 def test_another_process_reads_the_published_version_cpu_backing():
     sd = _state_dict(3)
-    sender = CudaIpcSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
+    sender = SharedBufferSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
     try:
         sender.publish(sd, 9)
         version, total, device = _child_reads(sender.handle())
@@ -209,7 +209,7 @@ def test_another_process_reads_the_published_version_cpu_backing():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_another_process_reads_through_cuda_ipc_gpu():
     sd = {k: v.cuda() for k, v in _state_dict(4).items()}
-    sender = CudaIpcSender.for_state_dict(sd, "cuda", dtype=torch.bfloat16)
+    sender = SharedBufferSender.for_state_dict(sd, "cuda", dtype=torch.bfloat16)
     try:
         sender.publish(sd, 1)
         sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
@@ -229,7 +229,7 @@ def test_stale_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
     import subprocess
     import sys
 
-    from meshrl.weight_sync.cuda_ipc import remove_stale_files
+    from meshrl.weight_sync.shared_buffer import remove_stale_files
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

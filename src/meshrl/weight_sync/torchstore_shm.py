@@ -16,7 +16,7 @@ mount): a put to a volume elsewhere is refused by the volume (`ShmUnreachable`) 
 (`torchstore_compat` does that, and stops trying shared memory from that process); a get from elsewhere gets the
 tensor inside the message. A /dev/shm too small for a chunk is an OSError while writing (ENOSPC), never a SIGBUS
 later, and the put is re-sent the same way. Files are named `meshrl-wsync-<pid>-ts-...`, so
-`cuda_ipc.remove_stale_files` removes those of processes that died.
+`shared_buffer.remove_stale_files` removes those of processes that died.
 
 No Monarch in here; torchstore's TransportBuffer is the base class.
 """
@@ -35,7 +35,7 @@ import torch
 from torchstore.transport.buffers import TransportBuffer
 
 from meshrl.devices import machine_identity
-from meshrl.weight_sync.cuda_ipc import _shm_dir
+from meshrl.weight_sync.shared_buffer import shm_dir
 
 
 class ShmUnreachable(RuntimeError):
@@ -43,7 +43,7 @@ class ShmUnreachable(RuntimeError):
 
 
 def _new_path() -> str:
-    return os.path.join(_shm_dir(), f"meshrl-wsync-{os.getpid()}-ts-{uuid.uuid4().hex}")
+    return os.path.join(shm_dir(), f"meshrl-wsync-{os.getpid()}-ts-{uuid.uuid4().hex}")
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:

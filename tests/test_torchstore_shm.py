@@ -1,4 +1,4 @@
-"""torchstore's tensors through /dev/shm between processes of one host (meshrl.weight_sync.shm_transport): the
+"""torchstore's tensors through /dev/shm between processes of one host (meshrl.weight_sync.torchstore_shm): the
 buffer's two directions in one process, and files that never outlive their keys. The whole path between real
 processes (trainer, storage volume, generator) runs in test_weight_sync.py and every torchstore sync of the suite.
 A second host cannot be made here: the "other host" below is a buffer whose identity is set to a foreign value, a
@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from meshrl.weight_sync.cuda_ipc import _shm_dir
-from meshrl.weight_sync.shm_transport import ShmTransportBuffer, ShmUnreachable
+from meshrl.weight_sync.shared_buffer import shm_dir
+from meshrl.weight_sync.torchstore_shm import ShmTransportBuffer, ShmUnreachable
 
 
 def _files() -> set[str]:
-    return set(glob.glob(os.path.join(_shm_dir(), f"meshrl-wsync-{os.getpid()}-ts-*")))
+    return set(glob.glob(os.path.join(shm_dir(), f"meshrl-wsync-{os.getpid()}-ts-*")))
 
 
 def _sent(buffer: ShmTransportBuffer) -> ShmTransportBuffer:

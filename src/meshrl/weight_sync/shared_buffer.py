@@ -1,4 +1,6 @@
-"""Same-GPU weight sync (trainer and generator processes on one GPU, the colocated layout) over CUDA IPC.
+"""The shared weight buffer of the 'cuda_ipc' and 'shm' weight transports: trainer rank 0 publishes each version
+into one flat buffer, which generators on its GPU (the colocated layout) read over CUDA IPC, or CPU processes of
+one host through a /dev/shm file.
 
 Why not hand over the trainer's tensors one by one: opening one IPC handle costs ~50 µs, and a Qwen3-0.6B state
 dict has ~300 tensors (GPU.md measured ~15 ms of handle opening per hand-off). Instead the trainer owns one
@@ -28,7 +30,7 @@ CUDA IPC handle, with the same protocol.
 
 `choose_transport` picks "cuda_ipc" when trainer and generator sit on the same physical CUDA device (compared
 by device UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore"
-otherwise. No Monarch in here: the actors pass `CudaIpcHandle` (picklable) through their endpoints.
+otherwise. No Monarch in here: the actors pass `SharedBufferHandle` (picklable) through their endpoints.
 """
 
 from __future__ import annotations
@@ -282,7 +284,7 @@ class VersionControl:
 
 
 @dataclass(frozen=True)
-class CudaIpcHandle:
+class SharedBufferHandle:
     """Everything a receiver needs, picklable: the layout, the buffer's share handle, the control block path."""
 
     layout: FlatLayout
@@ -292,7 +294,7 @@ class CudaIpcHandle:
     buffer: tuple  # CUDA: torch.multiprocessing's (rebuild_fn, args) of the flat buffer; CPU: ("shm", path, size)
 
 
-def _shm_dir() -> str:
+def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -310,7 +312,7 @@ def remove_stale_files(directory: str | None = None) -> list[str]:
     """Unlink the shared-buffer files (`meshrl-wsync-<pid>-...`) whose creating process is gone: a trainer or a
     controller killed with SIGKILL cannot clean up after itself. Files of live processes are left alone (a
     recycled pid only means a stale file is kept). Returns the removed paths."""
-    directory = directory or _shm_dir()
+    directory = directory or shm_dir()
     removed = []
     for name in os.listdir(directory):
         m = re.match(r"meshrl-wsync-(\d+)-", name)
@@ -332,7 +334,7 @@ class PublishStats:
     copy_s: float  # pack + device sync
 
 
-class CudaIpcSender:
+class SharedBufferSender:
     """Trainer side: the flat buffer (`num_slots` slots of `layout.nbytes`, one allocation, so one IPC handle)
     and the control block. Keep it alive as long as any generator uses the handle."""
 
@@ -340,7 +342,7 @@ class CudaIpcSender:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots} must be >= 1")
         self.layout, self.num_slots, self.device = layout, int(num_slots), torch.device(device)
-        base = os.path.join(_shm_dir(), f"meshrl-wsync-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        base = os.path.join(shm_dir(), f"meshrl-wsync-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         size = self.num_slots * layout.nbytes
         if self.device.type == "cuda":
             self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -352,7 +354,7 @@ class CudaIpcSender:
             self.buffer = torch.from_file(self._shm_path, shared=True, size=size, dtype=torch.uint8)
             buffer_share = ("shm", self._shm_path, size)
         self.control = VersionControl(base + ".ctl", self.num_slots, create=True)
-        self._handle = CudaIpcHandle(
+        self._handle = SharedBufferHandle(
             layout, self.num_slots, self.control.path, device_identity(self.device), buffer_share
         )
 
@@ -364,10 +366,10 @@ class CudaIpcSender:
         *,
         dtype: torch.dtype | None = None,
         num_slots: int = 2,
-    ) -> CudaIpcSender:
+    ) -> SharedBufferSender:
         return cls(FlatLayout.of(state_dict, dtype), device, num_slots=num_slots)
 
-    def handle(self) -> CudaIpcHandle:
+    def handle(self) -> SharedBufferHandle:
         """Send this to the generator once (it pickles to a few KB)."""
         return self._handle
 
@@ -402,7 +404,7 @@ class CudaIpcSender:
                 os.unlink(self._shm_path)
 
 
-def remove_shared_files(handle: CudaIpcHandle) -> None:
+def remove_shared_files(handle: SharedBufferHandle) -> None:
     """Unlink the host files behind `handle` (control block, slot locks, a CPU buffer's /dev/shm file). Processes
     that already mapped or opened them keep working (POSIX keeps unlinked files alive while in use); only new
     receivers can no longer open the handle. For the owner of a sender that it cannot `close()` itself (the
@@ -419,10 +421,10 @@ class WeightLoader(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
 
 
-class CudaIpcReceiver:
+class SharedBufferReceiver:
     """Generator side: opens the handle once (one IPC open), builds the name -> view maps of every slot once."""
 
-    def __init__(self, handle: CudaIpcHandle) -> None:
+    def __init__(self, handle: SharedBufferHandle) -> None:
         self.handle, self.layout = handle, handle.layout
         kind = handle.buffer[0]
         if kind == "shm":
@@ -482,9 +484,9 @@ class CudaIpcReceiver:
 
 __all__ = [
     "ALIGN",
-    "CudaIpcHandle",
-    "CudaIpcReceiver",
-    "CudaIpcSender",
+    "SharedBufferHandle",
+    "SharedBufferReceiver",
+    "SharedBufferSender",
     "FlatLayout",
     "PublishStats",
     "TensorSpec",
