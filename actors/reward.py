@@ -1,18 +1,18 @@
-"""RewardActor: scores completion texts with a RewardSet (meshrl.rewards) built in the controller.
+"""RewardActor: scores completion texts with a Rubric (meshrl.rewards) built in the controller.
 
-The RewardSet arrives whole (cloudpickle): the functions a user registered or defined in the controller's own
+The Rubric arrives whole (cloudpickle): the functions a user registered or defined in the controller's own
 script reach this process with it, and names were resolved at launch, so a bad name never fails a step."""
 
 from __future__ import annotations
 
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.rewards import RewardSet, ScoredSample
+from meshrl.rewards import Rubric, ScoredSample
 from meshrl.timeline import BusyLog
 
 
 class RewardActor(Actor):
-    def __init__(self, rewards: RewardSet, index: int | None = None) -> None:
+    def __init__(self, rewards: Rubric, index: int | None = None) -> None:
         self.rewards = rewards
         # `index`: this process's place among the run's reward processes (each is a mesh of its own).
         index = current_rank().rank if index is None else index

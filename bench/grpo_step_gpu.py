@@ -10,9 +10,10 @@ The task is the built-in string reversal (character tokenizer); the random model
 completion runs to max_tokens (rewards are ~0: this measures speed, not learning).
 
 Per step, exactly as `meshrl.controller.grpo` does it: generate (prompts x group) -> score (RewardActor) ->
-advantages + GRPO loss spec -> forward_backward per micro-batch (queued at once) -> optim_step -> sync_weights
-(trainer -> generator). Each weight transport the Controller offers is measured with its own Controller
-(`generator.weight_sync` when that config field exists: 'cuda_ipc' and 'torchstore'; else torchstore only).
+advantages + GRPO loss spec -> forward_backward per micro-batch (queued at once; each returns reduced numbers, the
+logprob mismatch included, not per-token rows) -> optim_step -> sync_weights (trainer -> generator). Each weight
+transport the Controller offers is measured with its own Controller (`generator.weight_sync` when that config field
+exists: 'cuda_ipc' and 'torchstore'; else torchstore only).
 The first `--warmup` steps (CUDA-graph capture, allocator warm-up, compile) are reported but not in the medians.
 """
 
@@ -34,7 +35,7 @@ from common import ensure_meshrl_layout, environment, make_model_dir, print_tabl
 
 
 def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: bool, staleness: int = 0) -> dict:
-    """`staleness` 1: the asynchronous schedule of `--grpo.max-staleness 1` (controller/rollout_buffer.py): step
+    """`staleness` 1: the asynchronous schedule of `--grpo.max-staleness 1` (controller/rollouts.py, AheadSchedule): step
     t+1's generation is sent before step t trains, and the new weights are published without waiting for the
     generator (its load is queued behind that generation)."""
     from meshrl.advantages import compute_advantages
@@ -105,12 +106,8 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
             t3 = time.perf_counter()
             sync = ctl.sync_weights(wait=not staleness)
             t4 = time.perf_counter()
-            diffs = [
-                abs(t - o)
-                for d, r in zip(data, [lp for r in results for lp in r.logprobs], strict=True)
-                for t, o, m in zip(r, d.old_logprobs, d.loss_mask, strict=True)
-                if m > 0
-            ]
+            # Trainer vs generator logprobs, reduced on the trainer (no per-token rows come back since issue 30).
+            n_diff = sum(r.logprob_diff_count for r in results)
             gen_tokens = sum(len(c.token_ids) for c in completions)
             rec = {
                 "step": step,
@@ -128,8 +125,8 @@ def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: boo
                 "reward_mean": statistics.fmean(rewards),
                 "grad_norm": opt.grad_norm,
                 "policy_version": opt.policy_version,
-                "trainer_vs_generator_logprob_diff_mean": statistics.fmean(diffs),
-                "trainer_vs_generator_logprob_diff_max": max(diffs),
+                "trainer_vs_generator_logprob_diff_mean": sum(r.logprob_diff_sum for r in results) / n_diff,
+                "trainer_vs_generator_logprob_diff_max": max(r.logprob_diff_max for r in results),
             }
             rec["staleness"] = opt.policy_version - 1 - completions[0].policy_version
             steps.append(rec)

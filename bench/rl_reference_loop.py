@@ -21,7 +21,7 @@ from math_reference_loop import sample  # the one KV-cached sampler of both refe
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from meshrl.advantages import compute_advantages
-from meshrl.rewards import RewardSet, ScoringConfig
+from meshrl.rewards import Rubric, ScoringConfig
 from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
 
 
@@ -31,7 +31,7 @@ class CharTask:
     def __init__(self, cfg: ReverseTaskConfig, weights: dict[str, float]) -> None:
         task = build_reverse_task(cfg)
         self.train, self.eval, self.tokenizer = task.train, task.eval, cfg.tokenizer()
-        self.rewards = RewardSet(weights, ScoringConfig(num_threads=1))
+        self.rewards = Rubric(weights, ScoringConfig(num_threads=1))
 
     def prompt_ids(self, rows) -> list[list[int]]:
         return [self.tokenizer.encode(r.prompt) for r in rows]

@@ -1,11 +1,11 @@
-"""math_verify scoring throughput of a RewardSet: threads per process x reward processes.
+"""math_verify scoring throughput of a Rubric: threads per process x reward processes.
 
     .venv/bin/python bench/scoring.py [--samples 512] [--group 8] [--repeats 3] [--out bench/results/scoring.json]
 
 Synthetic GSM8K-like completions (a few lines of arithmetic, then the answer as '#### n', '\\boxed{n}', 'The answer
 is n.' or a fraction; about a third wrong), G completions per gold answer as in a GRPO batch. Each configuration
 scores its own fresh golds, so the gold-parse cache starts cold as it does for a new batch. Processes are a
-multiprocessing Pool (spawn) of RewardSet copies sent with cloudpickle, as the reward actors receive them; each
+multiprocessing Pool (spawn) of Rubric copies sent with cloudpickle, as the reward actors receive them; each
 scores a contiguous share of the batch. Checks every configuration's rewards against the known right answers (a
 thread-safety check too), prints a table with ratios to the 1-thread/1-process run of the same invocation, and
 writes JSON.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import cloudpickle
 
-_RS = None  # this worker process's RewardSet
+_RS = None  # this worker process's Rubric
 
 
 def _init_worker(pickled: bytes, ready) -> None:
@@ -66,9 +66,9 @@ def make_batch(n: int, group: int, seed: int) -> tuple[list[str], list[dict], li
 
 
 def run_config(threads: int, procs: int, batches: list) -> dict:
-    from meshrl.rewards import RewardSet, ScoringConfig
+    from meshrl.rewards import Rubric, ScoringConfig
 
-    pickled = cloudpickle.dumps(RewardSet({"math_verify": 1.0}, ScoringConfig(num_threads=threads)))
+    pickled = cloudpickle.dumps(Rubric({"math_verify": 1.0}, ScoringConfig(num_threads=threads)))
     times = []
     ctx = mp.get_context("spawn")
     ready = ctx.Barrier(procs + 1)  # Pool() returns before its workers have started: time none of that

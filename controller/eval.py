@@ -17,9 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from meshrl.config import EvalRunConfig
 from meshrl.controller.api import Controller
-from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.grpo import describe_eval
-from meshrl.controller.rollouts import evaluate
+from meshrl.controller.rollouts import EnvRollout, SingleTurnRollout, evaluate
 from meshrl.errors import ConfigError, DataError
 from meshrl.preflight import check_run_inputs
 from meshrl.run_dir import RunDir
@@ -44,19 +43,16 @@ def main(
     else:
         task = build_task(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
-    run_eval, episodes = evaluate, None
-    if cfg.env.name:  # episodes of an environment, which scores them itself
-        setup = TaskSetup.prepare_episodes(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
-        episodes = EpisodeRollout(
-            cfg.env, setup, max_model_len=cfg.generator.max_model_len, turn_max_tokens=cfg.generator.max_tokens
-        )
-        run_eval = episodes.evaluate
+    setup = TaskSetup.prepare(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
+    if cfg.env.name:  # episodes of an environment (its rewards, plus --reward's rubric if given)
+        source = EnvRollout(cfg.env, setup, max_model_len=cfg.generator.max_model_len,
+                            turn_max_tokens=cfg.generator.max_tokens)  # fmt: skip
     else:
-        setup = TaskSetup.prepare(cfg, task, cfg.model.path, reward_fns=reward_fns, eval_max_tokens=max_tokens)
+        source = SingleTurnRollout(setup, max_tokens)
     print(
         f"[meshrl] evaluating {cfg.model.path} on task {task.name}: {setup.eval.describe('eval')}; correct = "
         f"{setup.verifier} >= 1; {cfg.generator.num_replicas} generator + "
-        f"{0 if episodes else cfg.scoring.num_procs} reward processes",
+        f"{0 if setup.rewards is None else cfg.scoring.num_procs} reward processes",
         flush=True,
     )
     with Controller(
@@ -72,9 +68,9 @@ def main(
         heartbeat_s=cfg.run.heartbeat_s,
         placement=cfg.placement,
     ) as ctl:
-        record = run_eval(
+        record = evaluate(
             ctl, setup, cfg.eval, max_tokens=max_tokens, temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
+            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, source=source,
         )  # fmt: skip
     result = {"model": cfg.model.path, "task": task.name, "num_prompts": len(setup.eval), **record}
     path = run.write_json("eval.json", result)

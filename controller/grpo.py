@@ -8,7 +8,7 @@
 
 From Python: `main(cfg, train_rows=[...], eval_rows=[...], reward_fns={"mine": fn})`.
 
-sample prompts → generate G completions each (or G episodes of an --env environment: controller/episodes.py) →
+sample rows → roll out G episodes each (one turn of a task, or an --env environment's turns: controller/rollouts.py) →
 score (+ DAPO overlong shaping; dynamic sampling refills groups whose rewards are all equal) → [reference logprobs
 for KL] → advantages → forward_backward over micro-batches (gradients accumulate; the loss is normalised over the
 whole step; the last call takes the optimiser step, lr from the schedule) →
@@ -34,10 +34,8 @@ from meshrl.algorithms import kl_penalties, step_loss_spec
 from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig, LogConfig
 from meshrl.controller.api import Controller
-from meshrl.controller.episodes import EpisodeRollout
 from meshrl.controller.memory import MemoryHandoff
-from meshrl.controller.rollout_buffer import RolloutBuffer
-from meshrl.controller.rollouts import evaluate, sample_groups
+from meshrl.controller.rollouts import AheadSchedule, EnvRollout, Rollouts, SingleTurnRollout
 from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import attach_reference_logprobs, train_step
 from meshrl.controller.warmup import supervised_warmup
@@ -47,21 +45,10 @@ from meshrl.plots import plot_training
 from meshrl.preflight import check_run_inputs
 from meshrl.rollout_recorder import RolloutRecorder
 from meshrl.run_dir import RunDir, plot_rewards
-from meshrl.schedule import lr_at
+from meshrl.schedule import optim_params
 from meshrl.tasks import Row, build_task
 from meshrl.tasks.setup import TaskSetup, ensure_model
-from meshrl.types import Datum, OptimParams, SamplingParams
-
-
-def logprob_mismatch(data: list[Datum], trainer_logprobs: list[list[float]]) -> tuple[float, float]:
-    """Mean and max |trainer − generator| logprob over loss tokens (before the step's update)."""
-    diffs = [
-        np.abs(np.asarray(lp) - np.asarray(d.old_logprobs))[np.asarray(d.loss_mask) > 0]
-        for d, lp in zip(data, trainer_logprobs, strict=True)
-        if d.old_logprobs is not None
-    ]
-    diff = np.concatenate(diffs) if diffs else np.zeros(0)
-    return (float(diff.mean()), float(diff.max())) if diff.size else (0.0, 0.0)
+from meshrl.types import Datum, SamplingParams
 
 
 def sampled_entropy_estimate(data: list[Datum]) -> float:
@@ -76,27 +63,24 @@ def sampled_entropy_estimate(data: list[Datum]) -> float:
 def rl_step(
     ctl: Controller,
     cfg: GRPORunConfig,
-    setup: TaskSetup,
+    rollouts: Rollouts,
     sampler: EpochSampler,
     rng: random.Random,
-    sampling: SamplingParams,
     step: int,
-    episodes: EpisodeRollout | None = None,
-    buffer: RolloutBuffer | None = None,
+    ahead: AheadSchedule | None = None,
     handoff: MemoryHandoff | None = None,
     recorder: RolloutRecorder | None = None,
 ) -> dict:
-    """One RL step, sampling through training and weight sync; returns its metrics record. With `episodes` (an
-    environment) every sample is a multi-turn episode, trained as one sequence with the loss on the model's turns.
-    `handoff` (a GPU trainer): memory per phase recorded, and handed between generator and trainer on a shared GPU
-    (controller/memory.py)."""
+    """One RL step, sampling through training and weight sync; returns its metrics record. Every sample is an
+    episode (one turn of a task, or an environment's turns), trained as one sequence with the loss on the model's
+    tokens. `ahead`: the asynchronous schedule (--grpo.max-staleness K). `handoff` (a GPU trainer): memory per
+    phase recorded, and handed between generator and trainer on a shared GPU (controller/memory.py)."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
-    if buffer is not None:  # asynchronous: this step's groups were sent up to max_staleness steps ago
-        batch = buffer.next_batch(step, sampler, rng)
+    if ahead is not None:  # asynchronous: this step's groups were sent up to max_staleness steps ago
+        batch = ahead.next_batch(step, sampler, rng)
     else:
-        sample = sample_groups if episodes is None else episodes.sample
-        batch = sample(ctl, setup, sampler, rng, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
+        batch = rollouts.sample(sampler, rng)
     if batch.empty:  # dynamic sampling found no group with a learning signal
         return {"phase": "rl_skipped", "step": step, "prompts_drawn": batch.prompts_drawn, "prompts": batch.drawn}
     memory = {}
@@ -118,36 +102,22 @@ def rl_step(
     t2 = time.perf_counter()
 
     # Loss, aggregation and its global normaliser over the whole step, KL term, TIS (meshrl.algorithms).
-    max_tokens = cfg.generator.max_tokens if episodes is None else episodes.max_model_tokens
+    max_tokens = rollouts.source.max_model_tokens
     loss = step_loss_spec(cfg.grpo, data, temperature=cfg.generator.temperature, max_tokens=max_tokens)
-    lr = lr_at(
-        step,
-        peak_lr=cfg.optim.lr,
-        total_steps=cfg.grpo.steps,
-        schedule=cfg.optim.schedule,
-        warmup_steps=cfg.optim.warmup_steps,
-        min_lr_ratio=cfg.optim.min_lr_ratio,
-    )
-    params = OptimParams(
-        lr=lr,
-        betas=cfg.optim.betas,
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-        grad_clip=cfg.optim.grad_clip,
-    )
+    params = optim_params(cfg.optim, step, cfg.grpo.steps)
     # forward_backward over micro-batches (gradients accumulate), the last one taking the optimiser step.
-    results, opt, trainer_logprobs = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
+    # `mismatch`: trainer vs generator logprobs over the loss tokens (mean, max), reduced on the trainer.
+    results, opt, mismatch = train_step(ctl, data, loss, cfg.trainer.micro_batch_size, params)
     if handoff is not None:
         memory |= handoff.record("train")
         handoff.to_generator()  # the trainer's AdamW state to the host (if asked), the generators wake
     t3 = time.perf_counter()
 
     # Synchronous: the generators load the new weights now. Asynchronous: they are published, and the generators
-    # load them after the batches they are sampling (controller/rollout_buffer.py).
-    sync = ctl.sync_weights(wait=buffer is None)
+    # load them after the batches they are sampling (controller/rollouts.py, AheadSchedule).
+    sync = ctl.sync_weights(wait=ahead is None)
     t4 = time.perf_counter()
 
-    mismatch_mean, mismatch_max = logprob_mismatch(data, trainer_logprobs)
     n_tokens = sum(len(d.tokens) for d in data)
     token_means = {k: sum(r.metrics[k] for r in results) / loss.num_loss_tokens for k in results[0].metrics}
     return {
@@ -166,8 +136,8 @@ def rl_step(
         "lr": opt.lr,
         "clip_frac": token_means.pop("clip_frac", 0.0),
         **token_means,  # per loss token: ratio, kl, tis_weight, ... (whatever the loss reports)
-        "logprob_diff_mean": mismatch_mean,
-        "logprob_diff_max": mismatch_max,
+        "logprob_diff_mean": mismatch[0],
+        "logprob_diff_max": mismatch[1],
         "entropy_sampled_est": sampled_entropy_estimate(data),
         "completion_len_mean": statistics.fmean(batch.lengths()),  # model tokens per completion / episode
         **batch.metrics,  # episodes: turns, tool calls, environment time and failures, finish reasons
@@ -243,19 +213,17 @@ def main(
     task = build_task(cfg, train_rows=train_rows, eval_rows=eval_rows)
     model_dir = ensure_model(cfg, task, run.path)
     eval_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens
-    episodes = None  # single completions scored by reward processes, or episodes of an environment
-    if cfg.env.name:
-        setup = TaskSetup.prepare_episodes(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
-        episodes = EpisodeRollout(
-            cfg.env, setup, max_model_len=cfg.generator.max_model_len, turn_max_tokens=cfg.generator.max_tokens
-        )
-    else:
-        setup = TaskSetup.prepare(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
+    setup = TaskSetup.prepare(cfg, task, model_dir, reward_fns=reward_fns, eval_max_tokens=eval_tokens)
+    if cfg.env.name:  # an environment's episodes (its rewards, plus --reward's rubric if given)
+        source = EnvRollout(cfg.env, setup, max_model_len=cfg.generator.max_model_len,
+                            turn_max_tokens=cfg.generator.max_tokens)  # fmt: skip
+    else:  # the task's rows as one-turn episodes, scored by the rubric
+        source = SingleTurnRollout(setup, cfg.generator.max_tokens)
     print(
         f"[meshrl] run dir {run.path}\n[meshrl] task {task.name}: {'; '.join(setup.notes)}\n"
         f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"
         f"[meshrl] starting {cfg.trainer.num_procs} trainer + {cfg.generator.num_replicas} generator + "
-        f"{0 if episodes else cfg.scoring.num_procs} reward processes from {model_dir}"
+        f"{0 if setup.rewards is None else cfg.scoring.num_procs} reward processes from {model_dir}"
     )
     sampling = SamplingParams(
         max_tokens=cfg.generator.max_tokens,
@@ -269,14 +237,15 @@ def main(
     sampler = EpochSampler(len(setup.train), seed=cfg.run.seed)  # shuffled epochs over the training prompts
     ckpts = RunCheckpoints("grpo", run, cfg)
 
-    buffer = None  # --grpo.max-staleness K > 0: generation runs up to K steps ahead of training
+    ahead = None  # --grpo.max-staleness K > 0: generation runs up to K steps ahead of training
 
     def run_eval(when: str, step: int) -> dict:
-        if buffer is not None:  # the asynchronous loop publishes without waiting: serve the latest weights
+        if ahead is not None:  # the asynchronous loop publishes without waiting: serve the latest weights
+            ahead.finish_in_flight()
             ctl.sync_weights(wait=False)
-        record = (evaluate if episodes is None else episodes.evaluate)(
-            ctl, setup, cfg.eval, max_tokens=eval_tokens, temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k,
+        record = rollouts.evaluate(
+            cfg.eval, max_tokens=eval_tokens, temperature=cfg.generator.temperature, top_p=cfg.generator.top_p,
+            top_k=cfg.generator.top_k,
         )  # fmt: skip
         run.log({"phase": "eval", "when": when, "step": step, **record})
         return record
@@ -300,6 +269,7 @@ def main(
             placement=cfg.placement,
         )
     handoff = memory_handoff(ctl, cfg)
+    rollouts = Rollouts(ctl, setup, source, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
@@ -330,7 +300,7 @@ def main(
                     seed=cfg.run.seed,
                     max_len=cfg.generator.max_model_len,
                     log=run.log,
-                    demos=None if episodes is None else episodes.demonstrations(setup, cfg.generator.max_model_len),
+                    demos=source.demonstrations(setup, cfg.generator.max_model_len) if source.multi_turn else None,
                 )
                 ctl.sync_weights()
             ref_dir = None
@@ -342,9 +312,9 @@ def main(
         if cfg.grpo.max_staleness:
             ctl.versions_kept = cfg.grpo.max_staleness + 1
             ctl.generators.replaceable = False  # rounds in flight wait on their weights version: resume instead
-            buffer = RolloutBuffer(ctl, setup, sampling, cfg.grpo, dp=cfg.trainer.num_procs, total_steps=cfg.grpo.steps)
+            ahead = AheadSchedule(rollouts, max_staleness=cfg.grpo.max_staleness, total_steps=cfg.grpo.steps)
             if resumed:
-                buffer.restore(resumed.get("rollouts", {}))
+                ahead.restore(resumed.get("rollouts", {}))
         print(f"[meshrl] held-out before RL: {describe_eval(before)}")
 
         def checkpoint_state() -> dict:
@@ -354,13 +324,13 @@ def main(
                 "before_rl": before,
                 "reference_model": ref_dir,
                 "warmup_done": True,
-                **({"rollouts": buffer.state()} if buffer is not None else {}),  # rounds in flight, waited for
+                **({"rollouts": ahead.state()} if ahead is not None else {}),  # rounds in flight, waited for
             }
 
-        recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, setup, start_step=start)  # rollouts.jsonl
+        recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, start_step=start)  # rollouts.jsonl
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
-            record = rl_step(ctl, cfg, setup, sampler, rng, sampling, step, episodes, buffer, handoff, recorder)
+            record = rl_step(ctl, cfg, rollouts, sampler, rng, step, ahead, handoff, recorder)
             if record["phase"] == "rl":
                 warn_on_logprob_gap(record, cfg.log.logprob_gap_warn)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", diff=f"{record['logprob_diff_max']:.1e}")

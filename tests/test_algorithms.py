@@ -418,7 +418,7 @@ def test_dynamic_sampling_never_trains_an_all_equal_group():
     drawn_more = False
     for _ in range(20):
         got = sample_groups(ctl, setup, sampler, rng, sampling, cfg, dp=2)
-        assert len(got.rows) == 6 and len(got.completions) == 24
+        assert len(got.rows) == 6 and len(got.episodes) == 24
         assert all(max(g) != min(g) for g in _groups(got.rewards, 4))  # the invariant
         assert got.prompts_drawn == 6 * got.rounds and got.groups_dropped == got.prompts_drawn - 6
         drawn_more |= got.rounds > 1
@@ -440,5 +440,5 @@ def test_dynamic_sampling_never_trains_an_all_equal_group():
         got = sample_groups(
             ctl, setup, EpochSampler(n, seed=seed), random.Random(seed), SamplingParams(n=2), cfg1, dp=4
         )
-        assert got.rounds == 1 and len(got.completions) % 4 == 0
+        assert got.rounds == 1 and len(got.episodes) % 4 == 0
         assert all(max(g) != min(g) for g in _groups(got.rewards, 2))

@@ -32,7 +32,7 @@ def _on_policy_batch(ctl, tokenizer, *, n_prompts=4, n=4, max_tokens=6, seed=0):
 def test_first_step_is_on_policy_ratio_one_and_nothing_clipped(ctl, tokenizer, base_model_dir, loss, aggregation):
     ctl.load_checkpoint(base_model_dir)
     data = _on_policy_batch(ctl, tokenizer)
-    spec = make_loss_spec(loss, data, aggregation=aggregation)
+    spec = make_loss_spec(loss, data, aggregation=aggregation, return_logprobs=True)
     res = ctl.forward_backward(data, spec).result()
     n_tok = sum(d.num_loss_tokens for d in data)
     # The trainer's logprobs of the sampled tokens equal the generator's: log-ratio ~ 0 on every token.
@@ -65,7 +65,7 @@ def test_reference_model_is_frozen_and_its_kl_term_matches_by_hand(ctl, tokenize
     for d, row in zip(data, ref1, strict=True):
         d.ref_logprobs = row
     # The KL term of forward_backward: kl_coef * k3(policy, reference) per loss token, summed in the metrics.
-    spec = make_loss_spec("grpo", data, kl_coef=0.1, kl_estimator="k3")
+    spec = make_loss_spec("grpo", data, kl_coef=0.1, kl_estimator="k3", return_logprobs=True)
     res = ctl.forward_backward(data, spec).result()
     f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     want = sum(
@@ -99,7 +99,7 @@ def test_dynamic_sampling_with_the_real_generator_and_reward_actor(ctl, base_mod
         got = sample_groups(ctl, setup, sampler, rng, sampling, cfg, dp=2)
         groups = [got.rewards[i : i + 4] for i in range(0, len(got.rewards), 4)]
         assert all(max(g) != min(g) for g in groups)
-        assert len(got.completions) == 4 * len(got.rows) and len(got.completions) % 2 == 0
+        assert len(got.episodes) == 4 * len(got.rows) and len(got.episodes) % 2 == 0
         assert got.prompts_drawn == 4 * got.rounds and len(got.task_rewards) == 4 * got.prompts_drawn
         dropped += got.groups_dropped
     assert dropped > 0  # the filter really ran on real rewards

@@ -73,7 +73,6 @@ def test_env_flags(capsys):
         parse_run_config(GRPORunConfig, argv=["--env", "guess_number", "--env.kwargs", '{"high": 0}']).env.factory()
     with pytest.raises(ConfigError, match="not a meshrl.envs.Environment"):
         parse_run_config(GRPORunConfig, argv=["--env", "json:loads"]).env.factory()
-    _refused(capsys, ["--env", "calculator", "--reward", "exact_match=1"], "drop --reward")
     _refused(capsys, ["--env", "calculator", "--env.max-tokens", "512"], "env.max_tokens=512 is over")
 
 
@@ -201,3 +200,35 @@ def test_eval_program_evaluates_a_checkpoint_on_an_environment(straight, out):
     assert result["task"] == "env:calculator" and result["num_prompts"] == 4
     assert result["accuracy"] == summary["eval_accuracy_after_rl"]  # the same greedy episodes as the run's last eval
     assert "pass@2" in result and "turns_per_episode" in result
+
+
+def test_env_with_a_rubric_in_the_asynchronous_loop_resumes_bitwise(out):
+    """`--reward` with `--env`: the rubric's score of each episode's last answer adds to the environment's reward.
+    `--grpo.max-staleness 1`: the next step's episodes are played while the trainer trains, every call pinned to
+    the weights they started on. A run stopped with a round in flight and resumed equals the straight run bitwise."""
+    from meshrl.controller import grpo
+    from meshrl.rollout_recorder import read_rollouts
+
+    argv = [
+        *FLAGS, "--grpo.steps", "3", "--eval.every", "0", "--eval.samples", "0", "--run.save-every", "0",
+        "--grpo.max-staleness", "1", "--reward", "user_rewards:contains_answer=0.5", "--log.rollouts-every", "1",
+        "--run.output-dir", str(out),
+    ]  # fmt: skip
+    grpo.main(parse_run_config(GRPORunConfig, argv=[*argv, "--run.name", "rubric_async"]))
+    a = out / "rubric_async"
+    rl = [r for r in _records(a) if r["phase"] == "rl"]
+    assert [r["staleness_max"] for r in rl] == [0, 1, 1]  # sampled one version behind, after the first step
+    assert all("reward/user_rewards:contains_answer" in r and "turns_per_episode" in r for r in rl)
+    lines = read_rollouts(a)
+    assert lines and all("messages" in line for line in lines)
+    for line in lines:  # the environment's turns, plus half the rubric's verdict on the last answer
+        part = line["reward_parts"]["user_rewards:contains_answer"] if line["error"] is None else 0.0
+        assert line["reward"] == pytest.approx(sum(line["turn_rewards"]) + 0.5 * part)
+    stopped = grpo.main(
+        parse_run_config(GRPORunConfig, argv=[*argv, "--run.name", "rubric_b", "--run.stop-at-step", "2"])
+    )
+    assert stopped["stopped_at"] == 2
+    state = json.loads((out / "rubric_b" / "checkpoints" / "step_00000002" / "controller.json").read_text())
+    assert list(state["rollouts"]) == ["2"] and state["rollouts"]["2"]["episodes"]  # the round in flight, played
+    grpo.main(parse_run_config(GRPORunConfig, argv=[*argv, "--run.name", "rubric_b", "--run.resume", "latest"]))
+    assert _records(out / "rubric_b") == _records(a)

@@ -5,13 +5,14 @@ tests/test_grpo_e2e.py, on the run it already makes."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from meshrl.config import ConfigError, LogConfig
 from meshrl.metric_sinks import TB_DIR, TensorBoardSink, WandbSink, open_sinks, scalars
+from meshrl.rollout import Episode, EpisodeOutcome, EpisodeTokens, Group, SingleTurnEnv
+from meshrl.rollout.batch import RolloutBatch
 from meshrl.rollout_recorder import ROLLOUTS_FILE, RolloutRecorder, read_rollouts
 from meshrl.run_dir import RunDir
 from meshrl.tasks.base import Row
@@ -180,40 +181,37 @@ def test_log_config_errors(monkeypatch):
 # --- rollouts.jsonl ---
 
 
-def fake_setup(prompts):
-    return SimpleNamespace(
-        train=SimpleNamespace(rows=[Row(p, answer=p[::-1]) for p in prompts]),
-        renderer=SimpleNamespace(completion_texts=lambda ids: ["".join(chr(96 + t) for t in seq) for seq in ids]),
-    )
-
-
 def completion(tokens, version=7, reason="stop"):
     return Completion([1, 2], list(tokens), [-0.5] * len(tokens), reason, version)
 
 
+def scored(row, c, reward, correct, parts=None):
+    """A one-turn episode of `c` on `row`, as the rubric leaves it."""
+    episode = SingleTurnEnv.episode_of(row, c, "".join(chr(96 + t) for t in c.token_ids))
+    episode.outcome.reward, episode.outcome.correct = reward, correct
+    episode.outcome.reward_parts = dict(parts or {})
+    return episode
+
+
 def dynamic_sampling_batch():
     """Three prompts drawn (5, 7, 9), group size 2; the group of 7 had equal rewards and was dropped."""
-    return SimpleNamespace(
-        rows=[5, 9],
-        drawn=[5, 7, 9],
-        completions=[completion([1, 2]), completion([3]), completion([2, 1], reason="length"), completion([4])],
-        task_rewards=[1.0, 0.0, 0.5, 0.5, 0.25, 0.75],
-        correct=[True, False, False, False, False, True],
-        reward_parts={"exact_match": [1.0, 0.0, 0.0, 0.0, 0.0, 1.0], "char_match": [1.0, 0.5, 0.5, 0.5, 0.25, 0.75]},
-        episodes=[],
-    )
+    p5, p9 = Row("p5", answer="5p"), Row("p9", answer="9p")
+    g5 = [scored(p5, completion([1, 2]), 1.0, True, {"exact_match": 1.0, "char_match": 1.0}),
+          scored(p5, completion([3]), 0.0, False, {"exact_match": 0.0, "char_match": 0.5})]  # fmt: skip
+    g9 = [scored(p9, completion([2, 1], reason="length"), 0.25, False, {"exact_match": 0.0, "char_match": 0.25}),
+          scored(p9, completion([4]), 0.75, True, {"exact_match": 1.0, "char_match": 0.75})]  # fmt: skip
+    return RolloutBatch(groups=[Group(5, g5, [1.0, 0.0]), Group(9, g9, [0.25, 0.75])], drawn=[5, 7, 9])
 
 
 def test_rollouts_line_per_trained_sample_with_its_scores(tmp_path):
-    setup = fake_setup([f"p{i}" for i in range(10)])
-    rec = RolloutRecorder(tmp_path, 1, setup)
+    rec = RolloutRecorder(tmp_path, 1)
     rec.write(4, dynamic_sampling_batch(), [1.0, 0.0, 0.2, 0.75], np.array([0.7, -0.7, -0.7, 0.7]))
     lines = read_rollouts(tmp_path)
     assert [(r["step"], r["prompt_index"], r["group"], r["sample"]) for r in lines] == [
         (4, 5, 0, 0), (4, 5, 0, 1), (4, 9, 1, 0), (4, 9, 1, 1),
     ]  # fmt: skip
     assert [r["completion"] for r in lines] == ["ab", "c", "ba", "d"]
-    assert [r["reward"] for r in lines] == [1.0, 0.0, 0.25, 0.75]  # the group of prompt 9 is the third one drawn
+    assert [r["reward"] for r in lines] == [1.0, 0.0, 0.25, 0.75]
     assert [r["correct"] for r in lines] == [True, False, False, True]
     assert lines[3]["reward_parts"] == {"exact_match": 1.0, "char_match": 0.75}
     assert [r["reward_trained"] for r in lines] == [1.0, 0.0, 0.2, 0.75]  # after overlong shaping
@@ -222,45 +220,48 @@ def test_rollouts_line_per_trained_sample_with_its_scores(tmp_path):
     assert lines[0]["prompt"] == "p5" and lines[0]["answer"] == "5p" and lines[0]["policy_version"] == 7
 
 
-def test_rollouts_of_a_prompt_drawn_twice_go_without_scores(tmp_path):
-    batch = SimpleNamespace(
-        rows=[3], drawn=[3, 3], completions=[completion([1]), completion([2])], task_rewards=[0, 0, 1, 0],
-        correct=[False] * 4, reward_parts={}, episodes=[],
-    )  # fmt: skip
-    RolloutRecorder(tmp_path, 1, fake_setup(["a", "b", "c", "d"])).write(0, batch, [1.0, 0.0], [0.5, -0.5])
+def test_rollouts_of_a_prompt_drawn_twice_keep_their_scores(tmp_path):
+    """Each sample carries its own scores: a prompt drawn twice in a step (8 rows, 16 prompts a step) no longer
+    loses them (issue 31, item 7)."""
+    row = Row("a", answer="a")
+    group = [scored(row, completion([1]), 1.0, True, {"exact_match": 1.0}),
+             scored(row, completion([2]), 0.0, False, {"exact_match": 0.0})]  # fmt: skip
+    batch = RolloutBatch(groups=[Group(3, group, [1.0, 0.0]), Group(3, group, [1.0, 0.0])], drawn=[3, 3])
+    RolloutRecorder(tmp_path, 1).write(0, batch, [1.0, 0.0, 1.0, 0.0], [0.5, -0.5, 0.5, -0.5])
     lines = read_rollouts(tmp_path)
-    assert len(lines) == 2 and "reward" not in lines[0] and lines[0]["reward_trained"] == 1.0
+    assert [r["reward"] for r in lines] == [1.0, 0.0, 1.0, 0.0] and lines[0]["reward_parts"] == {"exact_match": 1.0}
+    assert [r["correct"] for r in lines] == [True, False, True, False]
 
 
 def test_rollouts_every_n_steps_and_cut_back_on_resume(tmp_path):
-    setup = fake_setup([f"p{i}" for i in range(10)])
-    rec = RolloutRecorder(tmp_path, 2, setup)
+    rec = RolloutRecorder(tmp_path, 2)
     for step in range(6):
         rec.write(step, dynamic_sampling_batch(), [0.0] * 4, [0.0] * 4)
     assert sorted({r["step"] for r in read_rollouts(tmp_path)}) == [0, 2, 4]
-    RolloutRecorder(tmp_path, 2, setup, start_step=3)  # resumed at step 3: steps 3.. run again
+    RolloutRecorder(tmp_path, 2, start_step=3)  # resumed at step 3: steps 3.. run again
     assert sorted({r["step"] for r in read_rollouts(tmp_path)}) == [0, 2]
     assert len(read_rollouts(tmp_path)) == 8
-    RolloutRecorder(tmp_path, 0, setup).write(0, dynamic_sampling_batch(), [0.0] * 4, [0.0] * 4)  # a fresh run
+    RolloutRecorder(tmp_path, 0).write(0, dynamic_sampling_batch(), [0.0] * 4, [0.0] * 4)  # a fresh run
     assert (tmp_path / ROLLOUTS_FILE).read_text() == ""
 
 
 def test_rollouts_of_episodes_hold_the_conversation(tmp_path):
     def episode(reward, versions):
-        outcome = SimpleNamespace(
+        tokens = EpisodeTokens([1] * 12, [0] * 3 + [1] * 9, [0.0] * 12, [3], set(versions))
+        outcome = EpisodeOutcome(
             row=Row("2+3?", answer="5"), reward=reward, turn_rewards=[0.0, reward], correct=reward == 1.0,
             finish_reason="done", num_turns=2, error=None,
             messages=[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "<tool>2+3</tool>"},
                       {"role": "user", "content": "5"}, {"role": "assistant", "content": "5"}],
         )  # fmt: skip
-        tokens = SimpleNamespace(policy_versions=set(versions), num_model_tokens=9)
-        return SimpleNamespace(outcome=outcome, tokens=tokens)
+        return Episode(tokens, outcome)
 
-    batch = SimpleNamespace(rows=[0], drawn=[0], completions=[], episodes=[episode(1.0, {3}), episode(0.0, {3, 4})])
-    RolloutRecorder(tmp_path, 1, fake_setup(["x"])).write(1, batch, [1.0, 0.0], [np.float32(0.5), -0.5])
+    group = Group(0, [episode(1.0, {3}), episode(0.0, {3, 4})], [1.0, 0.0])
+    batch = RolloutBatch(groups=[group], drawn=[0], multi_turn=True)
+    RolloutRecorder(tmp_path, 1).write(1, batch, [1.0, 0.0], [np.float32(0.5), -0.5])
     lines = read_rollouts(tmp_path)
     assert lines[0]["messages"][1]["content"] == "<tool>2+3</tool>" and lines[0]["turns"] == 2
-    assert lines[0]["policy_version"] == 3 and "policy_versions" not in lines[0]
+    assert lines[0]["policy_version"] == 3 and "policy_versions" not in lines[0] and lines[0]["length"] == 9
     assert lines[1]["policy_versions"] == [3, 4] and lines[1]["advantage"] == -0.5 and lines[0]["advantage"] == 0.5
 
 

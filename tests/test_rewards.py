@@ -1,4 +1,4 @@
-"""Reward functions, reward specs and the RewardSet scorer (timeouts, failures, concurrency, pickling)."""
+"""Reward functions, reward specs and the Rubric scorer (timeouts, failures, concurrency, pickling)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from meshrl.errors import ConfigError
 from meshrl.rewards import (
     REWARD_FNS,
-    RewardSet,
+    Rubric,
     ScoringConfig,
     char_match,
     exact,
@@ -206,20 +206,20 @@ def test_scoring_config_errors_name_the_flag(kwargs, flag):
 
 def test_reward_set_checks_at_construction():
     with pytest.raises(ConfigError, match="unknown reward function"):
-        RewardSet({"exact": 1.0, "nope": 1.0})
+        Rubric({"exact": 1.0, "nope": 1.0})
     with pytest.raises(ConfigError, match="finite"):
-        RewardSet({"exact": math.nan})
+        Rubric({"exact": math.nan})
     with pytest.raises(ConfigError, match="not callable"):
-        RewardSet({"mine": 1.0}, fns={"mine": 3})
+        Rubric({"mine": 1.0}, fns={"mine": 3})
     with pytest.raises(ConfigError, match="no weight"):
-        RewardSet({"exact": 1.0}, fns={"other": lambda c, r: 1.0})
+        Rubric({"exact": 1.0}, fns={"other": lambda c, r: 1.0})
 
 
-# --- RewardSet scoring ------------------------------------------------------------------------------------------
+# --- Rubric scoring ------------------------------------------------------------------------------------------
 
 
 def test_weighted_sum_and_cfg_binding():
-    rs = RewardSet(parse_reward_spec("math_verify=1.0,format=0.1,length_penalty=0.5"), ScoringConfig(length_target=20))
+    rs = Rubric(parse_reward_spec("math_verify=1.0,format=0.1,length_penalty=0.5"), ScoringConfig(length_target=20))
     try:
         good = "<think>2+2</think> \\boxed{4}"  # 28 characters: 8 past the target
         [s1, s2] = rs.score([good, "5"], [row("4"), row("4")])
@@ -236,7 +236,7 @@ def test_weighted_sum_and_cfg_binding():
 
 
 def test_user_functions_with_a_cfg_keyword_get_the_run_config():
-    rs = RewardSet(
+    rs = Rubric(
         {"user_rewards:long_enough": 1.0, "user_rewards:contains_answer": 1.0}, ScoringConfig(length_target=3)
     )
     try:
@@ -253,7 +253,7 @@ def test_failures_are_zero_and_counted():
         raise RuntimeError("verifier crashed")
 
     fns = {"boom": boom, "text": lambda c, r: "1", "nan": lambda c, r: math.nan, "none": lambda c, r: None}
-    rs = RewardSet({"exact": 1.0, **dict.fromkeys(fns, 1.0)}, fns=fns)
+    rs = Rubric({"exact": 1.0, **dict.fromkeys(fns, 1.0)}, fns=fns)
     try:
         [s] = rs.score(["42"], [row("42")])
     finally:
@@ -268,7 +268,7 @@ def test_failures_are_zero_and_counted():
 
 
 def test_math_verify_errors_are_counted():
-    rs = RewardSet({"math_verify": 1.0})
+    rs = Rubric({"math_verify": 1.0})
     try:
         [s] = rs.score(["\\boxed{1}"], [row(None)])
     finally:
@@ -284,7 +284,7 @@ def test_hung_functions_time_out_without_serialising_and_the_pool_recovers():
             release.wait(60)
         return 1.0
 
-    rs = RewardSet({"hang": 1.0, "exact_match": 1.0}, ScoringConfig(timeout_s=0.5, num_threads=4), fns={"hang": hang})
+    rs = Rubric({"hang": 1.0, "exact_match": 1.0}, ScoringConfig(timeout_s=0.5, num_threads=4), fns={"hang": hang})
     try:
         completions = ["hang"] * 4 + ["ok"] * 4
         t0 = time.monotonic()
@@ -308,7 +308,7 @@ def test_hung_functions_time_out_without_serialising_and_the_pool_recovers():
 
 
 def test_time_sleep_hang_times_out():
-    rs = RewardSet({"sleepy": 1.0}, ScoringConfig(timeout_s=0.5), fns={"sleepy": lambda c, r: time.sleep(60) or 1.0})
+    rs = Rubric({"sleepy": 1.0}, ScoringConfig(timeout_s=0.5), fns={"sleepy": lambda c, r: time.sleep(60) or 1.0})
     t0 = time.monotonic()
     [s] = rs.score(["x"], [row(None)])
     assert time.monotonic() - t0 < 2.0
@@ -318,7 +318,7 @@ def test_time_sleep_hang_times_out():
 
 def test_deadline_counts_from_the_start_of_each_sample():
     # 12 samples of 0.3 s on 2 threads take ~1.8 s in all, but each stays well inside its own 1 s.
-    rs = RewardSet(
+    rs = Rubric(
         {"slow": 1.0}, ScoringConfig(timeout_s=1.0, num_threads=2), fns={"slow": lambda c, r: time.sleep(0.3) or 1.0}
     )
     try:
@@ -341,7 +341,7 @@ def test_async_reward_functions():
     async def raises_timeout(completion, row):
         raise TimeoutError("upstream judge timed out")
 
-    rs = RewardSet(
+    rs = Rubric(
         {"judge": 1.0, "stuck": 1.0, "raises": 1.0, "user_rewards:async_contains_answer": 0.5},
         ScoringConfig(timeout_s=0.5, num_threads=4),
         fns={"judge": slow_judge, "stuck": stuck, "raises": raises_timeout},
@@ -364,7 +364,7 @@ def test_cloudpickle_round_trip_with_closures():
     def closure(completion, row):
         return bonus * len(completion)
 
-    rs = RewardSet(
+    rs = Rubric(
         {"exact": 1.0, "user_rewards:contains_answer": 1.0, "lam": 1.0, "closure": 1.0, "length_penalty": 1.0},
         ScoringConfig(length_target=2, num_threads=2),
         fns={"lam": lambda c, r: 0.5, "closure": closure},
@@ -390,7 +390,7 @@ def test_cloudpickle_round_trip_with_closures():
 
 
 def test_threads_overlap_io_bound_functions():
-    rs = RewardSet({"io": 1.0}, ScoringConfig(num_threads=8), fns={"io": lambda c, r: time.sleep(0.2) or 1.0})
+    rs = Rubric({"io": 1.0}, ScoringConfig(num_threads=8), fns={"io": lambda c, r: time.sleep(0.2) or 1.0})
     try:
         t0 = time.monotonic()
         out = rs.score(["x"] * 16, [row(None)] * 16)
@@ -405,7 +405,7 @@ def test_threads_overlap_io_bound_functions():
 
 
 def test_group_reward_sees_each_group_whole_beside_per_sample_functions():
-    from meshrl.rewards import RewardSet, ScoringConfig, group_reward
+    from meshrl.rewards import Rubric, ScoringConfig, group_reward
 
     seen = []
 
@@ -414,7 +414,7 @@ def test_group_reward_sees_each_group_whole_beside_per_sample_functions():
         seen.append((tuple(completions), row["answer"]))
         return [float(len(completions) - i) for i in range(len(completions))]
 
-    rs = RewardSet({"rank": 0.5, "exact_match": 1.0}, ScoringConfig(num_threads=2), fns={"rank": rank})
+    rs = Rubric({"rank": 0.5, "exact_match": 1.0}, ScoringConfig(num_threads=2), fns={"rank": rank})
     completions = ["a", "b", "c", "x", "y", "z"]
     rows = [{"prompt": "p", "answer": "a"}] * 3 + [{"prompt": "q", "answer": "z"}] * 3
     out = rs.score(completions, rows, group_size=3)
@@ -427,7 +427,7 @@ def test_group_reward_sees_each_group_whole_beside_per_sample_functions():
 
 
 def test_group_reward_failures_score_the_whole_group_zero():
-    from meshrl.rewards import RewardSet, ScoringConfig, group_reward
+    from meshrl.rewards import Rubric, ScoringConfig, group_reward
 
     @group_reward
     def wrong_length(completions, row):
@@ -438,7 +438,7 @@ def test_group_reward_failures_score_the_whole_group_zero():
         time.sleep(30)
         return [1.0] * len(completions)
 
-    rs = RewardSet(
+    rs = Rubric(
         {"wrong_length": 1.0, "hangs": 1.0, "exact_match": 1.0},
         ScoringConfig(num_threads=4, timeout_s=0.5),
         fns={"wrong_length": wrong_length, "hangs": hangs},

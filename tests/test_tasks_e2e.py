@@ -132,7 +132,7 @@ def test_eval_program_on_the_exported_model(cli_run, data_files, tmp_path):
 def test_python_api_rows_and_reward_functions(model_dir, tmp_path, capsys):
     """main(cfg, train_rows=..., eval_rows=..., reward_fns=...) with functions that exist only in this process: a
     closure and a function registered with @register_reward here. Both reach the reward processes (they travel with
-    the RewardSet) and score every sample."""
+    the Rubric) and score every sample."""
     from meshrl.config import GRPORunConfig
     from meshrl.controller import grpo
     from meshrl.controller.cli import parse_run_config

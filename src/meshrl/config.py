@@ -303,7 +303,8 @@ class GRPORunConfig:
     reward: str | None = None
     """Reward functions and weights, e.g. 'math_verify=1.0,format=0.1' or 'task=1.0,my_pkg.my_mod:fn=0.5': built-in
     (exact_match, char_match, exact, regex, math_verify, format, length_penalty), 'task' (the task's own verifier),
-    or importable functions fn(completion: str, row: dict) -> float (sync or async). Default: the task's."""
+    or importable functions fn(completion: str, row: dict) -> float (sync or async). Default: the task's. With
+    --env: a rubric scoring each episode's last answer, added to the environment's reward (default: none)."""
     data: DataConfig = field(default_factory=DataConfig)
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
@@ -321,11 +322,6 @@ class GRPORunConfig:
         k = self.grpo.max_staleness
         if k < 0:
             raise ConfigError(f"grpo.max_staleness={k} must be >= 0 (0: the synchronous loop)")
-        if k and self.env.name is not None:
-            raise ConfigError(
-                f"grpo.max_staleness={k} with --env {self.env.name}: the asynchronous loop samples single completions "
-                "only so far; use --grpo.max-staleness 0 with an environment"
-            )
         if k > 1 and self.generator.weight_sync != "torchstore":
             raise ConfigError(
                 f"grpo.max_staleness={k} keeps {k + 1} weight versions alive while generators catch up; the shared "
@@ -338,11 +334,6 @@ class GRPORunConfig:
                 raise ConfigError(
                     f"env.max_tokens={self.env.max_tokens} is over generator.max_model_len={limit}: an episode must "
                     "fit the generator's context; raise --generator.max-model-len or lower --env.max-tokens"
-                )
-            if self.reward is not None:
-                raise ConfigError(
-                    f"--reward {self.reward!r} with --env {self.env.name}: an environment gives its episodes' "
-                    "rewards itself; drop --reward (or score inside the environment's step)"
                 )
         check_weight_sync(self.trainer, self.generator)
         validate_batch_arithmetic(

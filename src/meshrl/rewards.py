@@ -4,7 +4,7 @@ A reward function takes the completion text and the row's verifier view (`Row.ve
 row's own fields plus "prompt" and "answer") and returns a number; it may be `async def`. Name them in a spec:
 
     weights = parse_reward_spec("math_verify=1.0, format=0.1")  # or "my_pkg.rewards:brevity=0.5", ...
-    rs = RewardSet(weights, ScoringConfig(timeout_s=5))
+    rs = Rubric(weights, ScoringConfig(timeout_s=5))
     [s.reward for s in rs.score(["<think>2+2</think> \\boxed{4}"], [{"prompt": "2+2?", "answer": "4"}])]  # [1.1]
 
 Built-ins: exact_match, char_match, exact, regex, math_verify, format, length_penalty. Register your own with
@@ -12,7 +12,7 @@ Built-ins: exact_match, char_match, exact, regex, math_verify, format, length_pe
 keyword-only `cfg` parameter receives the run's `ScoringConfig`. One bad sample never kills a run: a function that
 raises, returns a non-number or runs past `timeout_s` gives 0 for that sample, recorded in `ScoredSample.failures`.
 
-Library code: no Monarch imports. The reward actor builds nothing itself; it receives a pickled `RewardSet`.
+Library code: no Monarch imports. The reward actor builds nothing itself; it receives a pickled `Rubric`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     def brevity(completion: str, row: dict) -> float:
         return -len(completion) / 1000
 
-    Register in the controller process, before the RewardSet is built. The set travels to the reward processes with
+    Register in the controller process, before the Rubric is built. The set travels to the reward processes with
     cloudpickle: a function defined in your script (__main__) travels by value; one from an importable module by
     reference, so that module must import there too (reward processes inherit PYTHONPATH), unless you call
     `cloudpickle.register_pickle_by_value(module)`."""
@@ -301,10 +301,12 @@ class _Pool:
             self.jobs.put(None)
 
 
-class RewardSet:
-    """Weighted reward functions, scored concurrently with per-sample timeouts.
+class Rubric:
+    """A run's rubric: weighted reward functions (group rewards among them), scored concurrently with per-sample
+    timeouts — in the reward processes (`--scoring.num-procs`), so CPU-bound verifiers never slow the controller.
+    It scores a task's one-turn episodes, and adds to an environment's rewards when `--reward` is given with `--env`.
 
-    rs = RewardSet({"math_verify": 1.0, "mine": 0.5}, ScoringConfig(num_threads=8), fns={"mine": my_fn})
+    rs = Rubric({"math_verify": 1.0, "mine": 0.5}, ScoringConfig(num_threads=8), fns={"mine": my_fn})
     samples = rs.score(completions, [row.verifier_view() for row in rows])
 
     Built in the controller process (so functions a user registered or defined there resolve), then pickled whole
@@ -619,7 +621,7 @@ def _math_verify_api() -> tuple[Any, Any, list[Any]]:
     import math_verify.parser
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    # Its timeouts are signal.alarm, which only works in the main thread; RewardSet times out instead (see below).
+    # Its timeouts are signal.alarm, which only works in the main thread; Rubric times out instead (see below).
     # Silence the warning it logs once when told so.
     math_verify.parser.TIMEOUT_WARNING_SHOWN = True
     math_verify.grader.TIMEOUT_WARNING_SHOWN = True
@@ -659,3 +661,6 @@ def math_verify(completion: str, row: dict) -> float:
         if not isinstance(p, str) and (big := _too_large(p)) is not None:
             raise ValueError(f"expression too large to compare: {big[:80]}")
     return float(verify(gold, pred, timeout_seconds=None))
+
+
+RewardSet = Rubric  # the earlier name, kept for code written against it

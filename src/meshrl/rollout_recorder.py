@@ -32,98 +32,53 @@ class RolloutRecorder:
     """Appends a step's trained samples to `<run_path>/rollouts.jsonl` every `every` RL steps (0: never). The file
     keeps only the lines of steps before `start_step` (the step a resumed run starts from; 0: a fresh run)."""
 
-    def __init__(self, run_path: str | Path, every: int, setup: Any, *, start_step: int = 0) -> None:
+    def __init__(self, run_path: str | Path, every: int, *, start_step: int = 0) -> None:
         self.path = Path(run_path) / ROLLOUTS_FILE
-        self.every, self.setup = every, setup
+        self.every = every
         truncate_rollouts(self.path, start_step)
 
     def write(self, step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any]) -> None:
-        """`batch`: the step's SampledGroups (controller/rollouts.py); `rewards` / `advantages`: per trained sample,
+        """`batch`: the step's RolloutBatch (meshrl.rollout.batch); `rewards` / `advantages`: per trained sample,
         as the loss gets them."""
         if not self.every or step % self.every:
             return
-        lines = rollout_lines(step, batch, rewards, advantages, self.setup)
+        lines = rollout_lines(step, batch, rewards, advantages)
         with self.path.open("a") as f:
             f.writelines(json.dumps(line, default=_plain) + "\n" for line in lines)
 
 
-def rollout_lines(
-    step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any], setup: Any
-) -> list[dict[str, Any]]:
-    """One dict per trained sample of `batch`, in training order."""
-    samples = batch.episodes or batch.completions
-    if not samples:
-        return []
-    g = len(samples) // len(batch.rows)
+def rollout_lines(step: int, batch: Any, rewards: Sequence[float], advantages: Sequence[Any]) -> list[dict[str, Any]]:
+    """One dict per trained episode of `batch` (a meshrl.rollout.batch.RolloutBatch), in training order. Its
+    scores are the episode's own (reward, the rubric's parts, the verdict), so a row drawn twice in a step keeps
+    them too."""
     lines = []
-    if batch.episodes:
-        for i, episode in enumerate(batch.episodes):
-            out, versions = episode.outcome, sorted(episode.tokens.policy_versions)
-            lines.append(
-                {
-                    **_where(step, batch, i, g, versions[0] if versions else None),
-                    **({"policy_versions": versions} if len(versions) > 1 else {}),
-                    "reward": out.reward,
-                    "turn_rewards": list(out.turn_rewards),
-                    "correct": out.correct,
-                    "advantage": advantages[i],
-                    "reward_trained": rewards[i],
-                    "finish_reason": out.finish_reason,
-                    "turns": out.num_turns,
-                    "length": episode.tokens.num_model_tokens,
-                    "error": out.error,
-                    "prompt": out.row.prompt,
-                    "answer": out.row.answer,
-                    "messages": out.messages,
-                }
-            )
-        return lines
-    texts = setup.renderer.completion_texts([c.token_ids for c in batch.completions])
-    generated = generated_groups(batch, g)
-    n = len(batch.task_rewards)
-    parts = {name: values for name, values in batch.reward_parts.items() if len(values) == n}
-    for i, (c, text) in enumerate(zip(batch.completions, texts, strict=True)):
-        row = setup.train.rows[batch.rows[i // g]]
-        j = generated[i // g]
-        k = None if j is None else j * g + i % g  # this sample among every one scored this step
-        lines.append(
-            {
-                **_where(step, batch, i, g, c.policy_version),
-                **(
-                    {
-                        "reward": batch.task_rewards[k],
-                        "reward_parts": {name: values[k] for name, values in parts.items()},
-                        "correct": batch.correct[k],
-                    }
-                    if k is not None
-                    else {}
-                ),
-                "advantage": advantages[i],
-                "reward_trained": rewards[i],
-                "finish_reason": c.finish_reason,
-                "length": len(c.token_ids),
-                "prompt": row.prompt,
-                "answer": row.answer,
-                "completion": text,
-            }
-        )
+    pairs = [(group, j, episode) for group, g in enumerate(batch.groups) for j, episode in enumerate(g.episodes)]
+    for i, (group, sample, episode) in enumerate(pairs):
+        out, versions = episode.outcome, sorted(episode.tokens.policy_versions)
+        line = {
+            "step": step,
+            "policy_version": versions[0] if versions else None,
+            **({"policy_versions": versions} if len(versions) > 1 else {}),
+            "prompt_index": batch.groups[group].index,
+            "group": group,
+            "sample": sample,
+            "reward": out.reward,
+            **({"reward_parts": dict(out.reward_parts)} if out.reward_parts else {}),
+            "correct": out.correct,
+            "advantage": advantages[i],
+            "reward_trained": rewards[i],
+            "finish_reason": out.finish_reason,
+            "length": episode.tokens.num_model_tokens,
+            "prompt": out.row.prompt,
+            "answer": out.row.answer,
+        }
+        if batch.multi_turn:
+            line |= {"turns": out.num_turns, "turn_rewards": list(out.turn_rewards), "error": out.error,
+                     "messages": out.messages}  # fmt: skip
+        else:
+            line["completion"] = episode.answer_text
+        lines.append(line)
     return lines
-
-
-def _where(step: int, batch: Any, i: int, g: int, version: int | None) -> dict[str, Any]:
-    group = i // g
-    return {"step": step, "policy_version": version, "prompt_index": batch.rows[group], "group": group, "sample": i % g}
-
-
-def generated_groups(batch: Any, g: int) -> list[int | None]:
-    """For each trained group, its place among every group generated this step (`batch.drawn`, whose scores
-    `batch.task_rewards` / `reward_parts` / `correct` hold). Dynamic sampling and the staleness bound drop groups
-    but keep the order, so a prompt drawn once this step is found by its index; one drawn twice (an epoch
-    boundary) is ambiguous: None, and its line goes without the scores."""
-    drawn = list(batch.drawn)
-    if len(batch.task_rewards) != len(drawn) * g:
-        return [None] * len(batch.rows)
-    return [drawn.index(p) if drawn.count(p) == 1 else None for p in batch.rows]
 
 
 def truncate_rollouts(path: str | Path, step: int) -> None:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.rollout.environment import Environment, EpisodeOutcome, StepResult, play
 from meshrl.errors import ConfigError
+from meshrl.rollout.environment import Environment, EpisodeOutcome, StepResult, play
 
 __all__ = ["BUILT_IN", "EnvConfig", "Environment", "EpisodeOutcome", "StepResult", "play", "resolve_env"]
 

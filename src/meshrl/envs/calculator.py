@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshrl.rollout.environment import Environment, StepResult
 from meshrl.errors import ConfigError
+from meshrl.rollout.environment import Environment, StepResult
 from meshrl.rollout.row import Row
 
 INSTRUCTION = "Use <tool>expression</tool> to compute, then answer with the number."

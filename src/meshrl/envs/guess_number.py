@@ -22,8 +22,8 @@ import math
 import random
 import re
 
-from meshrl.rollout.environment import Environment, StepResult
 from meshrl.errors import ConfigError
+from meshrl.rollout.environment import Environment, StepResult
 from meshrl.rollout.row import Row
 
 DEFAULT_HIGH = 16

@@ -191,4 +191,3 @@ class Episode:
             s["finish_reason"], dict(s["metrics"]), s["error"], dict(s["reward_parts"]), list(s["reward_failures"]),
         )  # fmt: skip
         return cls(tokens, outcome, s["env_time_s"])
-

@@ -41,6 +41,6 @@ class SingleTurnEnv(Environment):
             reward=0.0,
             correct=False,
             num_turns=1,
-            finish_reason="done" if completion.finish_reason == "stop" else "max_tokens",
+            finish_reason=completion.finish_reason,  # "stop" | "length", as the generator said
         )
         return Episode(tokens, outcome)

@@ -5,7 +5,7 @@ A task is rows in, scores out:
     task.train, task.eval        -> Row(prompt, answer, info)       prompt: plain text or chat messages
     renderer (meshrl.render)      -> prompt token ids                 the MODEL's tokenizer and chat template
     generator                     -> completions (token ids)
-    RewardSet (meshrl.rewards)    -> reward per completion            fn(completion_text, row.verifier_view())
+    Rubric (meshrl.rewards)    -> reward per completion            fn(completion_text, row.verifier_view())
 
 A task never tokenizes: rendering happens once, in the controller, with the model directory's tokenizer, so the
 same task trains any checkpoint. Scoring runs in the reward processes through named reward functions (built-in,

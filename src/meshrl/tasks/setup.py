@@ -71,7 +71,7 @@ def reward_weights(
     from meshrl.rewards import parse_reward_spec
 
     weights: dict[str, float] = {}
-    for name, w in parse_reward_spec(spec).items():
+    for name, w in (parse_reward_spec(spec) if spec else {}).items():  # "": functions from Python only
         if name == "task":
             if not task.verifier:
                 raise ConfigError(
@@ -94,7 +94,7 @@ class TaskSetup:
     renderer: Renderer
     train: PromptSet
     eval: PromptSet
-    rewards: Any  # meshrl.rewards.RewardSet
+    rewards: Any  # meshrl.rewards.Rubric
     verifier: str  # the reward function whose value >= 1 marks a completion correct
     notes: list[str] = field(default_factory=list)
 
@@ -108,61 +108,47 @@ class TaskSetup:
         reward_fns: Mapping[str, Callable] | None = None,
         eval_max_tokens: int | None = None,
     ) -> TaskSetup:
-        """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval sections. The
-        model directory and its trainer backend are checked before this, first thing (`meshrl.preflight`)."""
-        from meshrl.rewards import RewardSet
+        """`cfg`: a run config with model, generator, render, scoring, reward and (optionally) eval and env
+        sections. The model directory and its trainer backend are checked before this, first thing
+        (`meshrl.preflight`).
+
+        Single-turn (no `cfg.env.name`): the rubric is `--reward` (else the task's default rewards; functions given
+        from Python replace those), the verifier is `--eval.verifier` or the task's. With an environment: it scores
+        its episodes and gives their verdict (verifier 'env'); `--reward` / `reward_fns` add a rubric whose score of
+        each episode's last answer adds to the environment's reward. Prompts leave room for one model turn: within
+        generator.max_model_len, or the episode's token limit (`--env.max-tokens`)."""
+        from meshrl.rewards import Rubric
 
         renderer = Renderer.from_model_dir(model_dir, cfg.render)
         check_tokenizer_fits(renderer, model_dir)
-        given = getattr(cfg, "reward", None)  # SFT runs evaluate with the task's own rewards
-        spec = given or task.reward
-        if given is None and reward_fns:
-            spec = ""  # functions given from Python replace the task's default rewards
-        weights, fns = reward_weights(spec, task, reward_fns) if spec else reward_weights("", task, reward_fns)
-        eval_cfg = getattr(cfg, "eval", None)
-        verifier = (eval_cfg.verifier if eval_cfg is not None else None) or task.verifier or next(iter(weights))
-        if verifier == "task":
-            verifier = task.verifier
-        weights.setdefault(verifier, 0.0)  # measured on every sample (accuracy), weighs nothing unless named
-        rewards = RewardSet(weights, cfg.scoring, fns=fns)
         gen = cfg.generator
+        env = getattr(cfg, "env", None)  # SFT runs have no environment section
+        given = getattr(cfg, "reward", None)  # SFT runs evaluate with the task's own rewards
+        if env is not None and env.name is not None:
+            rewards = None
+            if given or reward_fns:
+                weights, fns = reward_weights(given or "", task, reward_fns)
+                rewards = Rubric(weights, cfg.scoring, fns=fns)
+            verifier, budget = "env", env.max_tokens or gen.max_model_len
+        else:
+            spec = given or task.reward
+            if given is None and reward_fns:
+                spec = ""  # functions given from Python replace the task's default rewards
+            weights, fns = reward_weights(spec, task, reward_fns)
+            eval_cfg = getattr(cfg, "eval", None)
+            verifier = (eval_cfg.verifier if eval_cfg is not None else None) or task.verifier or next(iter(weights))
+            if verifier == "task":
+                verifier = task.verifier
+            weights.setdefault(verifier, 0.0)  # measured on every sample (accuracy), weighs nothing unless named
+            rewards = Rubric(weights, cfg.scoring, fns=fns)
+            budget = gen.max_model_len
         return cls.build(
             task,
             renderer,
             rewards,
             verifier,
-            train_budget=gen.max_model_len - gen.max_tokens,
-            eval_budget=gen.max_model_len - (eval_max_tokens or gen.max_tokens),
-        )
-
-    @classmethod
-    def prepare_episodes(
-        cls,
-        cfg: Any,
-        task: Task,
-        model_dir: str | Path,
-        *,
-        reward_fns: Mapping[str, Callable] | None = None,
-        eval_max_tokens: int | None = None,
-    ) -> TaskSetup:
-        """For a run with an environment (`cfg.env`): the environment scores its episodes, so no reward functions;
-        the prompt budget leaves room for the first turn within the episode's token limit."""
-        if reward_fns:
-            raise ConfigError(
-                f"reward functions {sorted(reward_fns)} were given with --env {cfg.env.name}: an environment gives its "
-                "episodes' rewards itself; score inside its step() instead"
-            )
-        renderer = Renderer.from_model_dir(model_dir, cfg.render)
-        check_tokenizer_fits(renderer, model_dir)
-        gen = cfg.generator
-        episode_budget = cfg.env.max_tokens or gen.max_model_len
-        return cls.build(
-            task,
-            renderer,
-            None,
-            "env",
-            train_budget=episode_budget - gen.max_tokens,
-            eval_budget=episode_budget - (eval_max_tokens or gen.max_tokens),
+            train_budget=budget - gen.max_tokens,
+            eval_budget=budget - (eval_max_tokens or gen.max_tokens),
         )
 
     @classmethod
@@ -189,6 +175,8 @@ class TaskSetup:
     def describe_rewards(self) -> str:
         if self.rewards is None:
             return "the environment's"
+        if self.verifier == "env":
+            return "the environment's + " + ", ".join(f"{n}={w:g}" for n, w in self.rewards.weights.items())
         return ", ".join(f"{name}={weight:g}" for name, weight in self.rewards.weights.items())
 
     def demonstrations(self, max_len: int) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
