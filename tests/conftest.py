@@ -1,12 +1,16 @@
-"""Shared fixtures. Monarch process meshes are expensive on 2 cores, so one Controller (2 FSDP trainer
-processes, 1 vLLM generator, 1 reward actor) is spawned per test session and reused."""
+"""Shared fixtures, and the test lanes (tests/README.md). Monarch process meshes are expensive on 2 cores, so one
+Controller (2 FSDP trainer processes, 1 vLLM generator, 1 reward actor) is spawned per test session and reused."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import warnings
 
 import pytest
 import torch
+from markers import is_needs_cuda
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time: a missing local file must fail, not fetch
@@ -16,6 +20,176 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p
 )
 torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------- test lanes
+# Every test gets one lane, assigned here so that the test files need no per-test marks:
+#   unit    in this process only: no process meshes, no engine or helper processes (the fast lane)
+#   actors  starts processes (Monarch process meshes, actor processes, python children) but not a whole program
+#   e2e     runs a whole program: grpo / sft / eval `main`, or the CLI as a subprocess
+# and `actors` and `e2e` tests are also `slow` (not in the fast lane, `-m "not slow"`). Apart from the lanes, a test
+# that carries markers.needs_cuda is also `gpu` (`-m gpu`: the tests that need CUDA, skipped on CPU).
+# A module not named in MODULE_LANES is `unit`; TEST_LANES overrides the module per test (by function name, all its
+# parametrizations); a test that requests a fixture of FIXTURE_LANES gets that fixture's lane unless it is `e2e`.
+# A `unit` test that starts a process fails, naming these tables (see _in_process_only).
+MODULE_LANES = {
+    "test_algorithms_actors": "actors",
+    "test_generator_transformers_engine": "actors",
+    "test_hf_backend": "actors",
+    "test_memory_handoff": "actors",
+    "test_weight_sync": "actors",
+    "test_weight_sync_parity": "actors",
+    "test_architectures_e2e": "e2e",
+    "test_envs_e2e": "e2e",
+    "test_grpo_async": "e2e",
+    "test_grpo_e2e": "e2e",
+    "test_grpo_resume": "e2e",
+    "test_multihost": "e2e",
+    "test_placement_jobs": "e2e",
+    "test_resume": "e2e",
+    "test_tasks_e2e": "e2e",
+}
+TEST_LANES = {
+    # in-process checks in modules of another lane
+    "test_envs_e2e::test_env_flags": "unit",
+    "test_generator_transformers_engine::test_bad_engine_name_fails_at_launch": "unit",
+    "test_hf_backend::test_backend_is_validated": "unit",
+    "test_memory_handoff::test_offloaded_optimizer_state_comes_back_exactly": "unit",
+    "test_placement_jobs::test_bad_placement_flags_are_refused_naming_the_flag": "unit",
+    "test_placement_jobs::test_kubernetes_without_its_client_says_what_to_install": "unit",
+    "test_placement_jobs::test_slurm_without_sbatch_is_a_clear_config_error": "unit",
+    "test_resume::test_resume_command_repeats_the_run_flags_and_rng_state_round_trips_through_json": "unit",
+    # a python child process or a process mesh of their own
+    "test_shared_buffer::test_another_process_reads_the_published_version_cpu_backing": "actors",
+    "test_shared_buffer::test_another_process_reads_through_cuda_ipc_gpu": "actors",
+    "test_shared_buffer::test_stale_files_of_dead_processes_are_removed_and_live_ones_kept": "actors",
+    "test_engine_protocol::test_generator_actor_sleep_wake_memory": "actors",
+    "test_transformers_engine::test_triton_kernels": "actors",
+    "test_optim_kahan_kernel::test_kernel_in_the_interpreter_is_the_torch_formulation": "actors",
+    "test_devices::test_machine_identity_is_shared_by_the_processes_of_this_machine": "actors",
+    "test_placement_jobs::test_a_replica_whose_host_is_lost_is_started_on_a_live_host_until_none_is_left": "actors",
+    "test_placement_jobs::test_a_trainer_that_does_not_spread_evenly_is_refused_before_the_job_starts": "actors",
+    "test_placement_jobs::test_kubernetes_job_gets_its_meshes_from_the_flags": "actors",
+    "test_placement_jobs::test_slurm_job_gets_the_flags_into_its_sbatch_script_and_is_cancelled_unless_kept": "actors",
+    "test_run_safety::test_a_live_run_holds_its_directory_against_other_processes": "actors",
+    "test_vllm_engine::test_multiprocess_engine_loads_weights_through_collective_rpc": "actors",
+    "test_weight_sync_shared_buffer::test_cuda_ipc_through_the_actors_gpu": "actors",
+    # the CLI as a subprocess
+    "test_bad_inputs::test_cli_names_file_and_row_of_a_non_utf8_sft_row": "e2e",
+    "test_bad_inputs::test_cli_refuses_a_truncated_checkpoint_before_any_process": "e2e",
+    "test_config::test_cli_help_lists_every_section": "e2e",
+    "test_task_setup::test_torchtitan_on_llama_is_refused_before_any_process": "e2e",
+}
+FIXTURE_LANES = {"ctl": "actors", "two_ranks": "actors", "shm_ctl": "actors"}  # fixtures that start processes
+SLOW_UNIT: set[str] = set()  # in-process tests too slow for the fast lane (`module::function`)
+# Python children that libraries start on their own inside an in-process test, allowed in the `unit` lane:
+# vLLM inspects a model class it has not cached yet (~/.cache/vllm/modelinfos) in a one-shot subprocess.
+LIBRARY_PYTHON_CHILDREN = ("vllm.model_executor.models.registry",)
+
+
+def _key(item: pytest.Item) -> str:
+    return f"{item.module.__name__.rpartition('.')[2]}::{getattr(item, 'originalname', item.name)}"
+
+
+def lane_of(item: pytest.Item) -> str:
+    module = item.module.__name__.rpartition(".")[2]
+    lane = TEST_LANES.get(_key(item)) or MODULE_LANES.get(module, "unit")
+    if lane != "e2e":
+        lane = next((FIXTURE_LANES[f] for f in item.fixturenames if f in FIXTURE_LANES), lane)
+    return lane
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the markers added here
+def pytest_collection_modifyitems(config, items):
+    if stale := _stale_lane_names():
+        warnings.warn(f"tests/conftest.py gives lanes to tests that do not exist (renamed?): {stale}", stacklevel=1)
+    for item in items:
+        lane = lane_of(item)
+        item.add_marker(lane)
+        if lane != "unit" or _key(item) in SLOW_UNIT:
+            item.add_marker("slow")
+        if any(is_needs_cuda(m) for m in item.iter_markers("skipif")):
+            item.add_marker("gpu")
+
+
+def _stale_lane_names() -> list[str]:
+    """The modules and tests named in the lane tables that are not in tests/ (by file and `def name(`)."""
+    here, stale = os.path.dirname(os.path.abspath(__file__)), []
+    for name in (*MODULE_LANES, *TEST_LANES, *SLOW_UNIT):
+        module, _, test = name.partition("::")
+        path = os.path.join(here, f"{module}.py")
+        if not os.path.exists(path) or (test and f"def {test}(" not in open(path, encoding="utf-8").read()):
+            stale.append(name)
+    return stale
+
+
+class UnmarkedProcessError(RuntimeError):
+    """A test of the `unit` lane started a process."""
+
+
+def _is_python(prog) -> bool:
+    words = os.fsdecode(prog).split() if prog else []
+    return bool(words) and os.path.basename(words[0]).startswith("python")
+
+
+@contextlib.contextmanager
+def _in_process_only(item: pytest.Item):
+    """While a `unit` test sets up and runs, spawning a Monarch process mesh, a python child process or a
+    multiprocessing process raises UnmarkedProcessError (and is recorded, in case the test catches the error).
+    Other children (a compiler, `git`) are allowed."""
+    import multiprocessing.process
+
+    from monarch.actor import HostMesh
+
+    seen: list[str] = []
+
+    def refuse(what: str):
+        seen.append(
+            f"{item.nodeid} is in the `unit` lane (in this process only) but started {what}: give it the `actors` "
+            "lane (it starts processes) or `e2e` (it runs a whole program) in tests/conftest.py (MODULE_LANES, "
+            "TEST_LANES or FIXTURE_LANES; see tests/README.md)"
+        )
+        raise UnmarkedProcessError(seen[-1])
+
+    def spawn_procs(self, *args, **kwargs):
+        refuse("a Monarch process mesh (HostMesh.spawn_procs)")
+
+    def execute_child(self, args, executable, *rest, **kwargs):
+        argv0 = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        library = not isinstance(args, (str, bytes, os.PathLike)) and any(a in LIBRARY_PYTHON_CHILDREN for a in args)
+        if _is_python(executable or argv0) and not library:
+            refuse(f"a python process ({str(args)[:200]})")
+        return real_execute_child(self, args, executable, *rest, **kwargs)
+
+    def start(self):
+        refuse(f"a multiprocessing process ({self!r})")
+
+    real_execute_child = subprocess.Popen._execute_child
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HostMesh, "spawn_procs", spawn_procs)
+        mp.setattr(subprocess.Popen, "_execute_child", execute_child)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", start)
+        yield seen
+
+
+def _guarded(item: pytest.Item):
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _in_process_only(item) as seen:
+        result = yield
+    if seen:  # the test caught the error and went on
+        raise UnmarkedProcessError(seen[0])
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):  # a test's fixtures start here, session- and module-scoped ones included
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
 
 
 @pytest.fixture(scope="session")

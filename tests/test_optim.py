@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from markers import needs_cuda
 
 from meshrl.optim import FusedAdamW, clip_divisor, grad_norm
 
@@ -84,7 +85,6 @@ def test_clip_divisor_and_norm_edge_cases():
 
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.bfloat16: dict(rtol=8e-3, atol=1e-5)}  # bf16: 1 ulp
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
 @needs_cuda

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from markers import needs_cuda
 
 from meshrl.optim import FusedAdamW
 
@@ -278,9 +279,6 @@ def test_bad_rounding_is_refused():
         FusedAdamW([torch.nn.Parameter(torch.zeros(2))], bf16_rounding="truncate")
     with pytest.raises(ValueError, match="amsgrad"):
         FusedAdamW([torch.nn.Parameter(torch.zeros(2))], bf16_rounding="kahan", amsgrad=True)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
 @needs_cuda

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from markers import needs_cuda
 from test_optim_bf16 import KW, LR, _flat, _fp32_master_run, _grads, _tracking, _weights
 
 from meshrl import optim_kernels
@@ -114,11 +115,6 @@ def test_the_kernel_runs_only_on_cuda_with_triton():
         optim_kernels.KahanAdamW([w], [w], [w], [w], [torch.zeros(())])
 
 
-needs_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or optim_kernels.triton_missing() is not None, reason="needs a GPU and Triton"
-)
-
-
 def _cuda_run(fused: bool, graph: bool, steps: int) -> tuple[list[torch.Tensor], FusedAdamW]:
     params = [torch.nn.Parameter(w.cuda()) for w in _weights().values()]
     opt = FusedAdamW(params, lr=LR, bf16_rounding="kahan", cuda_graph=graph, **KW)
@@ -135,7 +131,8 @@ def _cuda_run(fused: bool, graph: bool, steps: int) -> tuple[list[torch.Tensor],
     return params, opt
 
 
-@needs_gpu
+@needs_cuda
+@_triton
 def test_kernel_on_the_gpu_is_torchs_step_and_tracks_the_master():
     """On CUDA, the kernel's kahan step is the torch formulation's (torch's CUDA fused kernel on float32 scratch)
     but for float32 roundings, eager and replayed from a CUDA graph; both track the float32 master at lr 1e-6."""

@@ -13,6 +13,7 @@ import signal
 import pytest
 import torch
 from conftest import random_data
+from markers import needs_cuda
 from monarch._src.actor.actor_mesh import ActorError
 from monarch.actor import this_host
 
@@ -233,7 +234,7 @@ def _transformers_tiny_qwen3(path, tokenizer) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_cuda_ipc_through_the_actors_gpu(tmp_path, tokenizer):
     from meshrl.controller.api import Controller
 

@@ -1,0 +1,20 @@
+"""The skip markers the test files share (import them; do not define local copies).
+
+`needs_cuda` also puts a test in the `gpu` lane: tests/conftest.py adds the `gpu` marker to every test that carries
+it, so `pytest -m gpu` selects exactly the tests that need CUDA (and on a CPU machine they are skipped, not failed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+"""The test needs a CUDA device: skipped on CPU, and in the `gpu` lane."""
+
+
+def is_needs_cuda(mark: pytest.Mark) -> bool:
+    """Whether `mark` is `needs_cuda` (a skipif mark compares by value, so this holds wherever it was applied)."""
+    return mark == needs_cuda.mark
