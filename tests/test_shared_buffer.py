@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from markers import needs_cuda
 
 from meshrl.weight_sync.shared_buffer import (
     ALIGN,
@@ -206,7 +207,7 @@ def test_another_process_reads_the_published_version_cpu_backing():
         sender.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_another_process_reads_through_cuda_ipc_gpu():
     sd = {k: v.cuda() for k, v in _state_dict(4).items()}
     sender = SharedBufferSender.for_state_dict(sd, "cuda", dtype=torch.bfloat16)

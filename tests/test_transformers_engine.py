@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from markers import needs_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -382,7 +383,7 @@ _FP8_PROMPT_LEN = [0]
     [
         "matmul",
         "sdpa",
-        pytest.param("triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+        pytest.param("triton", marks=needs_cuda),
     ],
 )
 def test_fp8_kv_cache(setup, attn_impl):
@@ -520,8 +521,6 @@ def test_triton_kernels():
 
 
 # ---------------------------------------------------------------- KV cache at fixed addresses (CUDA VMM)
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _tokens_and_logprobs(groups):
