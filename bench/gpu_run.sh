@@ -46,8 +46,8 @@ piece)
   mkdir -p /tmp/chunks && cp ".chunks/${2:?piece name}" /tmp/chunks/ && ls /tmp/chunks | tr '\n' ' '
   ;;
 titan)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py 2>&1 \
-    | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py \
+    2>&1 | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
   (cd bench && timeout 90 python3 kahan_kernel.py 2>&1 | tail -15 | tee "$OUT/kahan_kernel.log")
   configs=${2:-plain-titan,titan+chunked+compile+bf16+sdpa+keep,actor:titan+chunked+compile+bf16+sdpa+keep,plain-titan-sdpa}
   if [ ! -d /tmp/site/torch ]; then
@@ -65,7 +65,8 @@ titan)
   export PYTHONPATH=/tmp/site:$PWD/src LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2
   python3 -c "import torch, torchtitan; print('torch', torch.__version__, torch.cuda.get_device_name())"
   # meshrl.optim's CUDA-graph step against the eager one (GPU-only tests, skipped on the CPU machines)
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_optim.py 2>&1 | tail -15 | tee "$OUT/test_optim_gpu.log"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py 2>&1 | tail -15 \
+    | tee "$OUT/test_optim_gpu.log"
   cd bench && timeout 540 python3 trainer_speed.py --backend torchtitan --profile --warmup 3 --steps 5 \
     --model-dir /tmp/model06b --configs "$configs" 2>&1 | grep -v -E "Warning|warnings.warn" | tee "$OUT/trainer_speed_titan.log"
   ;;
@@ -118,8 +119,8 @@ titan-vllm)
   # torchtitan imports tyro: from .whl, installed by a vllm-loop call before this one on the same machine
   [ -d /tmp/sitew/monarch ] || { [ -d .whl ] && pipi /tmp/sitew .whl/*.whl; } || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/sitet:/tmp/sitew
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py 2>&1 \
-    | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim_kahan_kernel.py tests/test_optim_bf16.py \
+    2>&1 | tail -15 | tee "$OUT/test_optim_kahan_gpu.log"
   (cd bench && timeout 90 python3 kahan_kernel.py 2>&1 | tail -15 | tee "$OUT/kahan_kernel.log")
   # flex attention: the 2.14 stack's cuDNN fails the SDPA backward (CUDNN_STATUS_BAD_PARAM), bench/NOTES.md
   configs=${2:-plain-titan,titan+chunked+compile,titan+chunked+compile+bf16,titan+chunked+compile+bf16+kahan}

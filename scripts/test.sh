@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
 # Sets up .venv (fast when nothing changed) and runs the test suite. Extra arguments go to pytest.
+#
+# Lanes (tests/README.md; tests/conftest.py assigns them, so test files carry no lane marks):
+#   ./scripts/test.sh                              the full lane, what CI runs (.ci/run): every test; gpu ones skip on CPU
+#   ./scripts/test.sh -m "not slow"                the fast lane: `unit` tests only, in this process (<= 3 min here)
+#   ./scripts/test.sh -m actors | -m e2e           tests that start processes | that run a whole program
+#   ./scripts/test.sh -m gpu                       tests that need CUDA (bench/gpu_run.sh runs them on the GPU machine)
+#   ./scripts/test.sh tests/test_losses.py -k kl   one file, some tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh || exit 1
