@@ -29,10 +29,10 @@ from meshrl.models.hf_config import max_positions
 from meshrl.models.qwen3 import read_hf_config
 from meshrl.preflight import check_run_inputs
 from meshrl.run_dir import RunDir
-from meshrl.schedule import lr_at
+from meshrl.schedule import optim_params
 from meshrl.tasks import Row, Task, build_task
 from meshrl.tasks.setup import TaskSetup, ensure_model
-from meshrl.types import Datum, LossSpec, OptimParams
+from meshrl.types import Datum, LossSpec
 
 
 def load_data(
@@ -145,21 +145,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             else:
                 data = to_data(train, indices)
             loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-            lr = lr_at(
-                step,
-                peak_lr=cfg.optim.lr,
-                total_steps=total,
-                schedule=cfg.optim.schedule,
-                warmup_steps=cfg.optim.warmup_steps,
-                min_lr_ratio=cfg.optim.min_lr_ratio,
-            )
-            params = OptimParams(
-                lr=lr,
-                betas=cfg.optim.betas,
-                eps=cfg.optim.eps,
-                weight_decay=cfg.optim.weight_decay,
-                grad_clip=cfg.optim.grad_clip,
-            )
+            params = optim_params(cfg.optim, step, total)
             results, opt, _ = train_step(ctl, data, loss, micro, params)
             train_loss = sum(r.loss for r in results)
             run.log(
@@ -168,7 +154,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
                     "step": step,
                     "loss": train_loss,
                     "grad_norm": opt.grad_norm,
-                    "lr": lr,
+                    "lr": params.lr,
                     "epoch": sampler.epochs_done,
                     "policy_version": opt.policy_version,
                     "rows": len(data),

@@ -7,9 +7,9 @@ import random
 from meshrl.controller.api import Controller
 from meshrl.controller.training import train_step
 from meshrl.errors import ConfigError
-from meshrl.schedule import lr_at
+from meshrl.schedule import optim_params
 from meshrl.tasks.setup import TaskSetup
-from meshrl.types import Datum, LossSpec, OptimParams
+from meshrl.types import Datum, LossSpec
 
 
 def supervised_warmup(
@@ -40,8 +40,12 @@ def supervised_warmup(
     for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
         data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-        lr = lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps, schedule="cosine", min_lr_ratio=0.1)
-        params = OptimParams(lr=lr, betas=optim.betas, eps=optim.eps, grad_clip=optim.grad_clip)
+        # Its own peak and schedule (cosine to 10 %, no LR warm-up); weight_decay=0.0 keeps what this phase has
+        # always done (it never took --optim.weight-decay), whatever the RL phase uses.
+        params = optim_params(
+            optim, step, cfg.steps, peak_lr=cfg.lr, schedule="cosine", warmup_steps=0, min_lr_ratio=0.1,
+            weight_decay=0.0,
+        )  # fmt: skip
         results, opt, _ = train_step(ctl, data, loss, micro_batch_size, params)
         nll = sum(r.loss for r in results)
         log(
@@ -50,7 +54,7 @@ def supervised_warmup(
                 "step": step,
                 "loss": nll,
                 "grad_norm": opt.grad_norm,
-                "lr": lr,
+                "lr": params.lr,
                 "policy_version": opt.policy_version,
             }
         )
