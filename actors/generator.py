@@ -12,8 +12,8 @@ from meshrl.devices import pin_process
 from meshrl.generation.base import Engine
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
-from meshrl.weight_sync.pubsub import DEFAULT_STORE
 from meshrl.weight_sync.shared_buffer import device_identity
+from meshrl.weight_sync.transport import DEFAULT_STORE
 
 
 class StaleWeightsError(RuntimeError):

@@ -37,8 +37,8 @@ from meshrl.types import (
     SamplingParams,
 )
 from meshrl.weight_sync.shared_buffer import remove_stale_files
-from meshrl.weight_sync.store import DEFAULT_STORE, init_weight_store, shutdown_weight_store
-from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
+from meshrl.weight_sync.store import init_weight_store, shutdown_weight_store
+from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
 T = TypeVar("T")
 _controller_ids = itertools.count()

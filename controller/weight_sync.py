@@ -15,8 +15,8 @@ from typing import Any
 
 from meshrl.controller.futures import Pending, _rank0
 from meshrl.controller.replicas import ReplicaCall, ReplicaPool
-from meshrl.weight_sync.pubsub import SHARED_BUFFER_TRANSPORTS
 from meshrl.weight_sync.shared_buffer import remove_shared_files
+from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 
 
 @dataclass

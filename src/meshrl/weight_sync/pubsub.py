@@ -19,14 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from meshrl.weight_sync.shared_buffer import SharedBufferHandle, SharedBufferReceiver, remove_shared_files
+from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
 if TYPE_CHECKING:
     from meshrl.generation.base import Engine
-
-SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
-"""Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
-DEFAULT_STORE = "meshrl"
-"""The torchstore name when none is given (each Controller uses its own)."""
 
 
 class WeightPublisher(Protocol):
@@ -190,8 +186,6 @@ class SharedBufferSubscriber:
 
 
 __all__ = [
-    "DEFAULT_STORE",
-    "SHARED_BUFFER_TRANSPORTS",
     "SharedBufferPublisher",
     "SharedBufferSubscriber",
     "StorePublisher",

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from meshrl.weight_sync.pubsub import DEFAULT_STORE
 from meshrl.weight_sync.shards import DEFAULT_CHUNK_BYTES, WeightPieces, pack, pieces_of, whole_tensors
 from meshrl.weight_sync.torchstore_compat import apply_torchstore_compat
+from meshrl.weight_sync.transport import DEFAULT_STORE
 
 logger = logging.getLogger(__name__)
 

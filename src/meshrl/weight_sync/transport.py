@@ -20,8 +20,12 @@ from collections.abc import Sequence
 
 from meshrl.errors import ConfigError
 from meshrl.generation.config import WEIGHT_SYNC_TRANSPORTS
-from meshrl.weight_sync.pubsub import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 from meshrl.weight_sync.shared_buffer import choose_transport
+
+SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
+"""Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
+DEFAULT_STORE = "meshrl"
+"""The torchstore name when none is given (each Controller uses its own)."""
 
 
 def _host(identity: str) -> str:
