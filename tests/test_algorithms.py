@@ -396,7 +396,7 @@ class _StandInCtl:
 
 def _reverse_setup(**task_kw):
     """The reverse task rendered with its character tokenizer, as the GRPO program prepares it (no processes)."""
-    from meshrl.render import Renderer
+    from meshrl.rollout.render import Renderer
     from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
     from meshrl.tasks.setup import TaskSetup
 

@@ -83,7 +83,7 @@ def test_dynamic_sampling_with_the_real_generator_and_reward_actor(ctl, base_mod
     from meshrl.config import GRPOConfig
     from meshrl.controller.rollouts import sample_groups
     from meshrl.data.sampler import EpochSampler
-    from meshrl.render import Renderer
+    from meshrl.rollout.render import Renderer
     from meshrl.tasks.reverse import ReverseTaskConfig, build_reverse_task
     from meshrl.tasks.setup import TaskSetup
 

@@ -13,8 +13,8 @@ import pytest
 
 from meshrl.envs import EnvConfig
 from meshrl.rollout.episode import EpisodeRenderer, EpisodeTokens
+from meshrl.rollout.render import RenderConfig, Renderer
 from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner, EpisodeStats
-from meshrl.render import RenderConfig, Renderer
 from meshrl.tasks.base import Row
 from meshrl.tokenizer import default_corpus, train_bpe_tokenizer
 from meshrl.types import SamplingParams

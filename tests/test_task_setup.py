@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from meshrl.errors import ConfigError
-from meshrl.render import RenderConfig, Renderer
+from meshrl.rollout.render import RenderConfig, Renderer
 from meshrl.tasks.base import Row, Task
 
 

@@ -11,7 +11,8 @@ sections of the components it runs, each defined beside the component that reads
     LogConfig                      meshrl.metric_sinks        metric backends (--log.*)
     PlacementConfig                below                      where the processes start (--placement.*)
     SFTDataConfig                  meshrl.data.sft            SFT rows (--data.* of SFT)
-    DataConfig, EnvConfig, ...     meshrl.data.prompts, meshrl.envs, meshrl.tasks.*, meshrl.render, meshrl.rewards
+    DataConfig, EnvConfig, ...     meshrl.data.prompts, meshrl.envs, meshrl.tasks.*, meshrl.rollout.render,
+                                                              meshrl.rewards
 
 All of them stay importable from here. A section checks its own fields in `__post_init__`; the run configs check
 what crosses sections (batch arithmetic, lengths, the weight transport against the trainer's device), so a bad
@@ -35,8 +36,8 @@ from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.metric_sinks import METRIC_BACKENDS, LogConfig
 from meshrl.models.config import ModelConfig, TrainerConfig, check_precision
 from meshrl.optim_config import OptimConfig
-from meshrl.render import RenderConfig
 from meshrl.rewards import ScoringConfig
+from meshrl.rollout.render import RenderConfig
 from meshrl.run_dir import RunConfig
 from meshrl.tasks.arithmetic import ArithmeticConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig

@@ -17,7 +17,7 @@ from meshrl.config import EvalRunConfig, GeneratorConfig, GRPORunConfig, ModelCo
 from meshrl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from meshrl.render import Renderer
+    from meshrl.rollout.render import Renderer
 
 AnyRunConfig = GRPORunConfig | SFTRunConfig | EvalRunConfig
 

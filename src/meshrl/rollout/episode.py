@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrl.render import Renderer
 from meshrl.rollout.environment import EpisodeOutcome
+from meshrl.rollout.render import Renderer
 from meshrl.rollout.row import Row
 from meshrl.types import Completion, Datum
 

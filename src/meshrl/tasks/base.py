@@ -3,7 +3,7 @@
 A task is rows in, scores out:
 
     task.train, task.eval        -> Row(prompt, answer, info)       prompt: plain text or chat messages
-    renderer (meshrl.render)      -> prompt token ids                 the MODEL's tokenizer and chat template
+    renderer (meshrl.rollout.render)      -> prompt token ids                 the MODEL's tokenizer and chat template
     generator                     -> completions (token ids)
     Rubric (meshrl.rewards)    -> reward per completion            fn(completion_text, row.verifier_view())
 
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshrl.rollout.row import Message, Prompt, Row  # noqa: F401 - re-exported: tasks are rows in, scores out
+
 
 @dataclass
 class Task:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrl.errors import ConfigError
 from meshrl.preflight import check_model_dir, check_tokenizer_fits
-from meshrl.render import Renderer
+from meshrl.rollout.render import Renderer
 from meshrl.tasks.base import Row, Task
 
 if TYPE_CHECKING:
