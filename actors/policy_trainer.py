@@ -11,9 +11,8 @@ from monarch.actor import Actor, current_rank, endpoint
 from meshrl.devices import machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-from meshrl.weight_sync.pubsub import StorePublisher, make_publisher
+from meshrl.weight_sync.pubsub import DEFAULT_STORE, StorePublisher, make_publisher
 from meshrl.weight_sync.shared_buffer import SharedBufferHandle, device_identity
-from meshrl.weight_sync.transport import DEFAULT_STORE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,7 +79,8 @@ class PolicyTrainer(Actor):
     async def forward_backward(
         self, data: list[Datum], loss: LossSpec, step: OptimParams | None = None, split: list[int] | None = None
     ) -> ForwardBackwardResult:
-        """`split`: how many of `data` (rank-major) each rank computes; None: an even split."""
+        """`split`: how many of `data` (rank-major) each rank computes; None: an even split. Returns numbers reduced
+        over the ranks (loss, metrics, logprob mismatch); per-datum logprobs only with `loss.return_logprobs`."""
         with self.busy_log.busy("forward_backward"):
             return self._policy().forward_backward(data, loss, step, split)
 

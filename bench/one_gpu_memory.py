@@ -182,7 +182,6 @@ def rl_job(ctl, handoff, task, prompts: int, group: int, max_tokens: int, args) 
     from meshrl.advantages import compute_advantages
     from meshrl.algorithms import step_loss_spec
     from meshrl.config import GRPOConfig
-    from meshrl.controller.grpo import logprob_mismatch
     from meshrl.controller.training import train_step
     from meshrl.types import Datum, OptimParams, SamplingParams
 
@@ -208,7 +207,7 @@ def rl_job(ctl, handoff, task, prompts: int, group: int, max_tokens: int, args) 
         handoff.to_trainer()
         t2 = time.perf_counter()
         loss = step_loss_spec(grpo, data, temperature=1.0, max_tokens=max_tokens)
-        results, opt, logprobs = train_step(ctl, data, loss, ctl.trainer_cfg.micro_batch_size, OptimParams(lr=1e-6))
+        results, opt, mismatch = train_step(ctl, data, loss, ctl.trainer_cfg.micro_batch_size, OptimParams(lr=1e-6))
         memory |= handoff.record("train")
         handoff.to_generator()
         t3 = time.perf_counter()
@@ -221,7 +220,7 @@ def rl_job(ctl, handoff, task, prompts: int, group: int, max_tokens: int, args) 
             "total_s": t4 - t0, "sync_pull_s": sync.pull_s, "generated_tokens": gen_tokens,
             "train_tokens": train_tokens, "calls": float(len(results)),
             "generate_tok_per_s": gen_tokens / (t1 - t0), "train_tok_per_s": train_tokens / (t3 - t2),
-            "logprob_diff_mean": logprob_mismatch(data, logprobs)[0], "grad_norm": opt.grad_norm, **memory,
+            "logprob_diff_mean": mismatch[0], "grad_norm": opt.grad_norm, **memory,
         }  # fmt: skip
         print(f"  step {step}: " + " ".join(f"{k}={v:.3g}" for k, v in rec.items() if k.endswith("_s")), flush=True)
         steps.append(rec)

@@ -27,9 +27,10 @@ sdpa+keep,titan+chunked+compile+bf16+sdpa+keep+kahan` sets the three beside the 
 
 Baseline ("plain transformers loop", GPU.md): the model in pure bf16, SDPA, `model(ids).logits`, full-vocab
 float32 cross-entropy, fused AdamW. Ours: `Policy.forward_backward` (cross-entropy LossSpec over every target
-token, per-datum logprobs returned to the caller as the endpoint does) + `Policy.optim_step`, one rank of
-FSDP2 (a 1-process NCCL group). Each configuration gets `--warmup` untimed steps (the compile happens there),
-then `--steps` timed ones. tokens/s counts every token of the batch. Peak memory is torch's max allocated.
+token, the reduced result returned as the endpoint does; no per-datum logprobs since issue 30) +
+`Policy.optim_step`, one rank of FSDP2 (a 1-process NCCL group). Each configuration gets `--warmup` untimed steps
+(the compile happens there), then `--steps` timed ones. tokens/s counts every token of the batch. Peak memory is
+torch's max allocated.
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ def actor_loop(
     wait_for_results: bool = False,
 ) -> tuple[list[float], dict]:
     """The same steps driven from this process through the PolicyTrainer actor (Monarch, one GPU process):
-    the endpoints' cost (Datum pickling, actor calls, returned logprobs) included. As the GRPO loop does it
+    the endpoints' cost (Datum pickling, actor calls, returned results) included. As the GRPO loop does it
     (`controller.training.train_step`), the `forward_backward` call carries the optimiser step; with
     `wait_for_results` (config prefix `actor-wait:`) it is a separate `optim_step` call after the result of
     `forward_backward` was read."""
@@ -327,7 +328,7 @@ def actor_loop(
                 fb = ctl.forward_backward(data, spec).result()
                 ctl.optim_step(params).result()
             else:
-                (fb,), _ = train_step(ctl, data, spec, len(data), params)
+                (fb,), _, _ = train_step(ctl, data, spec, len(data), params)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             first_loss = fb.loss if first_loss is None else first_loss

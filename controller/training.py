@@ -23,13 +23,14 @@ def micro_batches(items: Sequence[T], size: int) -> Iterator[list[T]]:
 
 def train_step(
     ctl: Controller, data: list[Datum], loss: LossSpec, micro_batch_size: int, params: OptimParams
-) -> tuple[list[ForwardBackwardResult], OptimResult, list[list[float]]]:
+) -> tuple[list[ForwardBackwardResult], OptimResult, tuple[float, float]]:
     """One optimiser step: the sequences binned by length into `forward_backward` calls under the trainer's token
     budget (and at most `micro_batch_size` per call), balanced over the ranks (meshrl.batching); the gradients
     accumulate and the last call carries the step, all sent before any result is read. The trainer goes from the
     last backward straight to the update; `num_micro_batches` makes it refuse a batch in which a call failed (that
-    call raises its own error here). Returns the calls' results, the step's, and the trainer's logprobs per datum
-    in `data`'s order."""
+    call raises its own error here). Returns the calls' results, the step's, and the trainer-vs-generator logprob
+    mismatch (mean over the loss tokens that carry `old_logprobs`, max; (0, 0) without any), from the numbers each
+    call reduced on the trainer (`ForwardBackwardResult.logprob_diff_*`): no per-token rows travel."""
     plan = ctl.micro_batch_plan([len(d.tokens) for d in data], micro_batch_size)
     params = dataclasses.replace(params, num_micro_batches=len(plan))
     last = len(plan) - 1
@@ -40,11 +41,11 @@ def train_step(
         for c, call in enumerate(plan)
     ]
     results = [p.result() for p in pending]
-    logprobs: list[list[float]] = [[] for _ in data]
-    for call, result in zip(plan, results, strict=True):
-        for i, row in zip((i for part in call for i in part), result.logprobs, strict=True):
-            logprobs[i] = row
-    return results, results[-1].optim, logprobs
+    count = sum(r.logprob_diff_count for r in results)
+    mismatch = (0.0, 0.0)
+    if count:
+        mismatch = (sum(r.logprob_diff_sum for r in results) / count, max(r.logprob_diff_max for r in results))
+    return results, results[-1].optim, mismatch
 
 
 def pad_rows(data: list[Datum], multiple: int, pad_id: int) -> list[Datum]:

@@ -268,7 +268,8 @@ def test_hf_backend_has_no_dropout_and_matches_transformers(ckpt, policy):
     want = [_hf_seq_logprobs(model, s) for s in seqs]
     for got, w in zip(policy.forward(data), want, strict=True):
         _close(got, w, atol=1e-5)
-    fb = policy.forward_backward(data, LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data)))
+    n_tok = sum(d.num_loss_tokens for d in data)
+    fb = policy.forward_backward(data, LossSpec("cross_entropy", num_loss_tokens=n_tok, return_logprobs=True))
     policy.zero_grad()
     for got, w in zip(fb.logprobs, want, strict=True):
         _close(got, w, atol=1e-5)

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from conftest import random_data
+from test_trainer_endpoints import mismatch_from_rows
 
 from meshrl.batching import layout_tokens, pack_rows, plan_micro_batches, rank_sizes
 from meshrl.losses import make_loss_spec
@@ -93,7 +94,7 @@ def test_packed_rl_batch_equals_unpacked(one_rank_group, base_model_dir, backend
     """RL data (per-sequence advantages, generator logprobs, sequence-level losses) packed into shared rows inside
     the trainer: same loss, per-datum logprobs and gradients as one sequence per row."""
     data = random_data(10, seed=5)
-    spec = make_loss_spec(loss, data, aggregation=aggregation)
+    spec = make_loss_spec(loss, data, aggregation=aggregation, return_logprobs=True)
     plain, g_plain = _loss_and_grads(base_model_dir, backend, data, spec, pack=False)
     packed, g_packed = _loss_and_grads(base_model_dir, backend, data, spec, pack=True)
     assert packed.loss == pytest.approx(plain.loss, rel=1e-5, abs=1e-7)
@@ -101,6 +102,11 @@ def test_packed_rl_batch_equals_unpacked(one_rank_group, base_model_dir, backend
     torch.testing.assert_close(
         torch.tensor(sum(packed.logprobs, [])), torch.tensor(sum(plain.logprobs, [])), rtol=0, atol=1e-5
     )
+    # The trainer's logprob mismatch, reduced over packed rows, is the one computed from the rows it returns.
+    mean, peak = mismatch_from_rows(data, packed.logprobs)
+    assert packed.logprob_diff_count == sum(d.num_loss_tokens for d in data)
+    assert packed.logprob_diff_sum / packed.logprob_diff_count == pytest.approx(mean, rel=1e-5)
+    assert packed.logprob_diff_max == pytest.approx(peak, rel=1e-5)
     assert g_plain
     for name, grad in g_plain.items():
         torch.testing.assert_close(g_packed[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -113,8 +119,8 @@ def _probe(ctl, data):
 
 def test_token_budget_step_equals_one_big_batch(ctl, base_model_dir):
     """`train_step` under a small token budget: several calls, uneven per-rank splits (one rank may get nothing),
-    packed rows; the update equals one call holding every sequence, and the per-datum logprobs come back in the
-    batch's order."""
+    packed rows; the update equals one call holding every sequence, and the step's logprob mismatch (reduced on the
+    trainer, combined over the calls) is the one computed from that call's per-datum logprobs."""
     from meshrl.controller.training import train_step
 
     data = random_data(11, seed=12)  # odd: the ranks cannot split it evenly
@@ -123,7 +129,7 @@ def test_token_budget_step_equals_one_big_batch(ctl, base_model_dir):
     saved = ctl.trainer_cfg
     try:
         ctl.load_checkpoint(base_model_dir)
-        big = ctl.forward_backward(data, spec, split=[6, 5]).result()
+        big = ctl.forward_backward(data, dataclasses.replace(spec, return_logprobs=True), split=[6, 5]).result()
         ctl.optim_step(LINEAR_ADAM).result()
         w_big = _probe(ctl, probe)
 
@@ -131,13 +137,14 @@ def test_token_budget_step_equals_one_big_batch(ctl, base_model_dir):
         plan = ctl.micro_batch_plan([len(d.tokens) for d in data], 8)
         assert len(plan) > 2 and any(len(set(rank_sizes(call))) > 1 for call in plan)
         ctl.load_checkpoint(base_model_dir)
-        results, opt, logprobs = train_step(ctl, data, spec, 8, LINEAR_ADAM)
+        results, opt, mismatch = train_step(ctl, data, spec, 8, LINEAR_ADAM)
         w_plan = _probe(ctl, probe)
     finally:
         ctl.trainer_cfg = saved
     assert len(results) == len(plan) and opt.policy_version == ctl.policy_version
     assert sum(r.loss for r in results) == pytest.approx(big.loss, rel=1e-5)
-    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(big.logprobs, [])), atol=1e-5, rtol=0)
+    assert all(r.logprobs is None for r in results)  # no rows unless asked for
+    assert mismatch == pytest.approx(mismatch_from_rows(data, big.logprobs), rel=1e-5)
     torch.testing.assert_close(w_plan, w_big, rtol=0, atol=1e-6)
     ctl.load_checkpoint(base_model_dir)
     assert (w_big - _probe(ctl, probe)).abs().max() > 1e-3  # the step moved the weights: not vacuous

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_data
@@ -21,13 +22,25 @@ def _probe(ctl, data):
     return torch.tensor([x for row in ctl.forward(data).result() for x in row])
 
 
+def mismatch_from_rows(data: list[Datum], trainer_logprobs: list[list[float]]) -> tuple[float, float]:
+    """The controller's former computation from per-datum rows (controller/grpo.py `logprob_mismatch` until issue 30):
+    mean and max |trainer − generator| logprob over the loss tokens of the data that carry old_logprobs."""
+    diffs = [
+        np.abs(np.asarray(lp) - np.asarray(d.old_logprobs))[np.asarray(d.loss_mask) > 0]
+        for d, lp in zip(data, trainer_logprobs, strict=True)
+        if d.old_logprobs is not None
+    ]
+    diff = np.concatenate(diffs) if diffs else np.zeros(0)
+    return (float(diff.mean()), float(diff.max())) if diff.size else (0.0, 0.0)
+
+
 def test_forward_backward_contract(ctl):
     data = random_data(8)
     n_tok = sum(d.num_loss_tokens for d in data)
     before = ctl.forward(data).result()
     assert [len(r) for r in before] == [len(d.tokens) - 1 for d in data]
-    res = ctl.forward_backward(data, LossSpec("grpo", num_loss_tokens=n_tok)).result()
-    # forward_backward returns the pre-update logprobs, equal to forward's, for every datum in order.
+    res = ctl.forward_backward(data, LossSpec("grpo", num_loss_tokens=n_tok, return_logprobs=True)).result()
+    # forward_backward returns the pre-update logprobs, equal to forward's, for every datum in order (when asked).
     torch.testing.assert_close(torch.tensor(sum(res.logprobs, [])), torch.tensor(sum(before, [])))
     assert res.num_tokens == n_tok
     # The reported loss is the direct per-token reference computed from those logprobs.
@@ -69,6 +82,37 @@ def test_micro_batches_equal_one_big_batch(ctl, base_model_dir):
     # ...and the step really moved the weights (the comparison is not vacuous).
     ctl.load_checkpoint(base_model_dir)
     assert (w_big - _probe(ctl, probe)).abs().max() > 1e-3
+
+
+def test_logprob_mismatch_is_reduced_on_the_trainer(ctl, base_model_dir):
+    """forward_backward returns the trainer-vs-generator logprob mismatch (sum, count, max over both ranks) instead of
+    per-token rows: equal to the controller's former computation from the rows (asked for here with
+    return_logprobs), with uneven splits, a rank given nothing, sequences without old_logprobs, and the largest gap
+    on the second rank (the max is a MAX over the ranks, not rank 0's)."""
+    ctl.load_checkpoint(base_model_dir)
+    data = random_data(8, seed=21)
+    data[0].old_logprobs = None  # SFT-like sequences take no part
+    data[3].old_logprobs = None
+    data[6].old_logprobs = np.asarray(data[6].old_logprobs) - 20.0 * np.asarray(data[6].loss_mask)  # the max
+    spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data))
+    with_rows = dataclasses.replace(spec, return_logprobs=True)
+    count = sum(d.num_loss_tokens for d in data if d.old_logprobs is not None)
+    for split in ([4, 4], [5, 3], [8, 0], [0, 8]):
+        ref = ctl.forward_backward(data, with_rows, split=split).result()
+        mean, peak = mismatch_from_rows(data, ref.logprobs)
+        assert peak > 10.0 and ref.logprob_diff_count == count
+        assert ref.logprob_diff_sum / ref.logprob_diff_count == pytest.approx(mean, rel=1e-5)
+        assert ref.logprob_diff_max == pytest.approx(peak, rel=1e-5)
+        res = ctl.forward_backward(data, spec, split=split).result()  # the default: no rows travel
+        assert res.logprobs is None
+        assert (res.logprob_diff_sum, res.logprob_diff_count, res.logprob_diff_max) == pytest.approx(
+            (ref.logprob_diff_sum, ref.logprob_diff_count, ref.logprob_diff_max), rel=1e-6
+        )
+    for d in data:  # no generator logprobs at all (SFT): zeros, as the controller's formula gave
+        d.old_logprobs = None
+    res = ctl.forward_backward(data, LossSpec("cross_entropy", num_loss_tokens=spec.num_loss_tokens)).result()
+    assert (res.logprob_diff_sum, res.logprob_diff_count, res.logprob_diff_max) == (0.0, 0, 0.0)
+    ctl.load_checkpoint(base_model_dir)  # discards the accumulated gradients
 
 
 def test_gradients_accumulate_until_optim_step(ctl, base_model_dir):

@@ -297,7 +297,9 @@ class Policy:
         `step` (the last micro-batch of an optimiser step): then take the
         step, as `optim_step(step)` right after this call would, its result in `.optim`; with the single-GPU
         optimiser the update is queued right behind the backward, before the host reads anything back, so the
-        GPU goes from the backward straight to the update and the call returns while the update runs."""
+        GPU goes from the backward straight to the update and the call returns while the update runs.
+        Returns reduced numbers only (loss, metric sums, the trainer-vs-generator logprob mismatch); the per-datum
+        logprobs, gathered from every rank, only with `loss.return_logprobs`."""
         if step is not None:
             self._check_step(step, done=self.num_micro_batches + 1)
         self.reload_optimizer_state()  # queued on the stream ahead of this call's work
@@ -335,27 +337,47 @@ class Policy:
             logprobs = self._target_logprobs(local, tokens, loss.temperature)
             # Per-token loss -> aggregation -> divided by the step's GLOBAL normaliser (meshrl.losses).
             scaled, metrics = compute_loss(logprobs, batch, loss)
+            diff_sum, diff_count, diff_max = self._logprob_mismatch(logprobs.detach(), batch, local)
         # Backward runs on every rank even for a NaN loss (NaN gradients, not a hang): the verdict comes from the
         # all-reduce below, the same on every rank, so all raise together. No host sync before backward.
         nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
-        logprobs_on_host = host_copy_when_ready(logprobs)  # queued before backward: ready when forward is
+        # Per-datum rows only when asked (LossSpec.return_logprobs): queued before backward, ready when forward is.
+        logprobs_on_host = host_copy_when_ready(logprobs) if loss.return_logprobs else None
         with record_function("meshrl.backward"):
             scaled.backward()
         with record_function("meshrl.results"):
-            stats = torch.stack([scaled.detach(), batch.mask.sum(), nonfinite] + list(metrics.values()))
+            parts = [scaled.detach(), batch.mask.sum(), nonfinite, diff_sum, diff_count, *metrics.values()]
+            stats = torch.stack(parts)
             dist.all_reduce(stats)
-            stats_on_host = host_copy_when_ready(stats)
+            if self.world_size > 1:  # the one quantity that is not a sum: a second, one-number collective
+                dist.all_reduce(diff_max, op=dist.ReduceOp.MAX)
+            stats_on_host = host_copy_when_ready(torch.cat([stats, diff_max.reshape(1)]))
             read_norm = None
             if step is not None and isinstance(self.optimizer, FusedAdamW):
                 read_norm = self._queue_fused_step(step, skip=stats[2])  # a non-finite loss skips it on the device
             metric_names = list(metrics)
             # Everything below runs while the GPU is still busy with the backward (and the update): freeing the
-            # autograd graph, building the per-datum lists.
+            # autograd graph, building the per-datum lists (when asked for).
             del logprobs, scaled, metrics, batch, tokens, nonfinite
-            rows = self._rows(logprobs_on_host(), local, split)
+            rows = None if logprobs_on_host is None else self._rows(logprobs_on_host(), local, split)
             return self._forward_backward_result(stats_on_host().tolist(), metric_names, rows), read_norm
 
-    def _forward_backward_result(self, stats: list[float], metric_names: list[str], rows: list[list[float]]):
+    def _logprob_mismatch(
+        self, logprobs: torch.Tensor, batch: LossBatch, local: list[Datum]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """|trainer − generator| logprob over the loss tokens (mask > 0) of the sequences that carry `old_logprobs`:
+        its sum, count and max on this rank, as float32 scalars on the device (queued, nothing read back). `logprobs`
+        is in `collate`'s layout, packed or not (`_target_logprobs`); entries past a sequence's end are masked."""
+        keep = batch.mask > 0
+        has_old = np.array([d.old_logprobs is not None for d in local])
+        if not has_old.all():  # a sequence without generator logprobs (SFT data; mixed batches) takes no part
+            keep = keep & torch.from_numpy(has_old).to(self.device, non_blocking=True)[:, None]
+        diff = torch.where(keep, (logprobs.to(torch.float32) - batch.old_logprobs).abs(), 0.0)
+        return diff.sum(), keep.sum(dtype=torch.float32), diff.max()
+
+    def _forward_backward_result(self, stats: list[float], metric_names: list[str], rows: list[list[float]] | None):
+        """`stats`: loss, loss tokens, non-finite ranks, mismatch sum and count, the metrics (all summed over the
+        ranks), then the mismatch max (over the ranks). `rows`: this rank's per-datum logprobs, when asked for."""
         if stats[2] > 0:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(
@@ -364,10 +386,13 @@ class Policy:
                 "lower optim.lr"
             )
         return ForwardBackwardResult(
-            logprobs=self._gather_rows(rows),
             loss=float(stats[0]),
-            metrics={k: float(v) for k, v in zip(metric_names, stats[3:], strict=True)},
+            metrics={k: float(v) for k, v in zip(metric_names, stats[5:-1], strict=True)},
             num_tokens=int(stats[1]),
+            logprob_diff_sum=float(stats[3]),
+            logprob_diff_count=int(stats[4]),
+            logprob_diff_max=float(stats[-1]),
+            logprobs=None if rows is None else self._gather_rows(rows),
         )
 
     @torch.no_grad()

@@ -1,10 +1,10 @@
 """Plain data exchanged between the controller and the actors.
 
 Everything here is a dataclass of Python lists / numbers (a `Datum`'s per-token fields may also be 1-D numpy
-arrays), so it can be inspected in a debugger without any actor machinery. The per-token sequences cross a
-process boundary as packed numpy arrays (`Datum.__reduce__`, `ForwardBackwardResult.__reduce__`): a pickled list
-of 16k Python numbers costs milliseconds to write, read and collate, and the trainer's GPU waits for that trip
-between steps.
+arrays), so it can be inspected in a debugger without any actor machinery. A `Datum`'s per-token sequences cross
+a process boundary as packed numpy arrays (`Datum.__reduce__`): a pickled list of 16k Python numbers costs
+milliseconds to write, read and collate, and the trainer's GPU waits for that trip between steps. For the same
+reason `forward_backward` returns reduced numbers, not per-token rows (`ForwardBackwardResult`).
 """
 
 from __future__ import annotations
@@ -162,6 +162,9 @@ class LossSpec:
     kl_coef: float = 0.0  # > 0: add kl_coef * KL(policy || reference) per token (needs Datum.ref_logprobs)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     tis_cap: float | None = None  # truncated importance sampling trainer/generator; weights capped at this
+    # Also return the trainer's per-datum logprobs (ForwardBackwardResult.logprobs), gathered from every rank and
+    # sent to the controller as rows: for parity tests and benches. Off, only reduced numbers travel.
+    return_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.num_loss_tokens < 1:
@@ -189,10 +192,20 @@ class LossSpec:
 
 @dataclass
 class ForwardBackwardResult:
-    logprobs: list[list[float]]  # per datum, per target token (trainer's, before this call's update)
+    """What one `forward_backward` call returns: numbers already reduced over the trainer ranks (every rank returns
+    the same), not per-token rows. The trainer-vs-generator logprob mismatch |trainer − old_logprobs| over the loss
+    tokens of the sequences that carry `old_logprobs` (the trainer's logprobs before this call's update) has fields
+    of its own rather than entries in `metrics`: `metrics` holds sums the controller divides by the step's loss
+    tokens, while the mismatch counts only its own tokens and has a max. Over a step's calls: sum the sums and the
+    counts, take the max of the maxes (`meshrl.controller.training.train_step` does)."""
+
     loss: float  # this call's contribution to the step loss (already divided by the global normaliser)
     metrics: dict[str, float]  # sums over this call's loss tokens (divide by the step's loss tokens for means)
     num_tokens: int  # loss tokens in this call
+    logprob_diff_sum: float = 0.0  # sum of |trainer − old_logprobs| over the mismatch's tokens
+    logprob_diff_max: float = 0.0  # its max (0 when it has no tokens)
+    logprob_diff_count: int = 0  # its tokens: loss tokens of the sequences with old_logprobs
+    logprobs: list[list[float]] | None = None  # per datum, per target token, only with LossSpec.return_logprobs
     optim: OptimResult | None = None  # the step's result, when this call carried one (forward_backward's step)
 
 
