@@ -11,8 +11,9 @@ from monarch.actor import Actor, current_rank, endpoint
 from meshrl.devices import machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-from meshrl.weight_sync.pubsub import DEFAULT_STORE, StorePublisher, make_publisher
+from meshrl.weight_sync.pubsub import StorePublisher, make_publisher
 from meshrl.weight_sync.shared_buffer import SharedBufferHandle, device_identity
+from meshrl.weight_sync.transport import DEFAULT_STORE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
