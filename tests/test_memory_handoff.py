@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import random_data
+from markers import needs_cuda
 
 from meshrl.types import OptimParams, SamplingParams
 
@@ -60,7 +61,7 @@ def test_generator_sleeps_while_the_trainer_trains(colocated):
     assert ctl.generate(prompts, greedy).result()[0][0].policy_version == ctl.policy_version
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+@needs_cuda
 def test_offloaded_optimizer_state_comes_back_exactly(tmp_path):
     """GPU: the AdamW state leaves the device between steps (its memory is freed) and the run trains bitwise as if
     it had stayed; the trainer's cached blocks are returned on request."""
