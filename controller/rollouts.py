@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,9 +36,8 @@ from typing import Any
 from meshrl.algorithms import overlong_penalty
 from meshrl.data.sampler import EpochSampler
 from meshrl.errors import ConfigError
-from meshrl.rollout import Episode, EpisodeRenderer, EpisodeTokens, Row, SingleTurnEnv
+from meshrl.rollout import Episode, EpisodeRenderer, EpisodeTokens, SingleTurnEnv
 from meshrl.rollout.batch import RolloutBatch
-from meshrl.rollout.environment import as_messages, maybe_await
 from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner, EpisodeStats
 from meshrl.tasks.setup import PromptSet, TaskSetup
 from meshrl.types import Completion, Datum, SamplingParams
@@ -190,46 +191,35 @@ class EnvRollout:
         return EpisodeStats.of(episodes).values
 
     def demonstrations(self, setup: TaskSetup, max_len: int) -> list[Datum]:
-        """The environment's demonstrations, played through the environment itself (its replies fill the turns
-        between) and tokenized as episodes: the loss on the demonstrated model turns only."""
-        import asyncio
-
+        """The environment's demonstrations for the supervised warm-up, played through the environment itself (its
+        replies fill the turns between) under the episode rules — `--env.timeout-s`, worker threads, a failure
+        ends that row's demonstration — and tokenized as episodes: the loss on the demonstrated model turns only."""
         limits = dataclasses.replace(self.limits, max_tokens=min(self.limits.max_tokens, max_len))
 
-        async def all_rows() -> list[EpisodeTokens | None]:
-            return await asyncio.gather(*(scripted_episode(self.make_env(), r, self.renderer, limits)
-                                          for r in setup.train.rows))  # fmt: skip
+        def no_generation(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+            raise RuntimeError("a demonstration is scripted: nothing is generated")
 
-        data = [t.datum(with_logprobs=False) for t in asyncio.run(all_rows()) if t is not None]
+        runner = EpisodeRunner(self.make_env, self.renderer, no_generation, limits, max_threads=self.cfg.max_threads)
+        played = runner.demonstrations(setup.train.rows)
+        failed = [(i, p) for i, p in enumerate(played) if isinstance(p, str)]
+        if failed:
+            kinds = Counter(p.split(":")[0] for _, p in failed)
+            print(
+                f"[meshrl] WARNING: warm-up: the environment failed on {len(failed)} of {len(played)} training rows' "
+                f"demonstrations ({', '.join(f'{k} {n}' for k, n in kinds.items())}; first: train row "
+                f"{failed[0][0] + 1}: {failed[0][1]}); they are skipped (--env.timeout-s {limits.timeout_s:g})",
+                file=sys.stderr,
+                flush=True,
+            )
+        data = [p.datum(with_logprobs=False) for p in played if isinstance(p, EpisodeTokens)]
         if not data:
+            why = f"; the environment failed on {len(failed)} of them (see above)" if failed else ""
             raise ConfigError(
                 f"--env {self.cfg.name}: no training row has a demonstration that fits in {limits.max_tokens} "
-                "tokens, so there is nothing to warm up on; set --warmup.steps 0 (or implement "
+                f"tokens{why}, so there is nothing to warm up on; set --warmup.steps 0 (or implement "
                 "Environment.demonstration)"
             )
         return data
-
-
-async def scripted_episode(env, row: Row, renderer: EpisodeRenderer, limits: EpisodeLimits) -> EpisodeTokens | None:
-    """`env.demonstration(row)` played as an episode (None: no demonstration, or it does not fit)."""
-    demo = env.demonstration(row)
-    if not demo:
-        return None
-    opening = await maybe_await(env.reset(row, 0))
-    messages, ids = renderer.opening(row, None if opening is None else as_messages(opening))
-    tokens = EpisodeTokens()
-    tokens.add_context(ids)
-    for turn, text in enumerate(demo[: limits.max_turns]):
-        turn_ids = renderer.scripted_turn_ids(text)
-        tokens.add_scripted(turn_ids)
-        messages.append({"role": "assistant", "content": text})
-        result = await maybe_await(env.step(text))
-        if result.done or turn + 1 == len(demo):
-            break
-        observation = as_messages(result.observation)
-        tokens.add_context(renderer.bridge_ids(messages, observation, turn_ids))
-        messages += observation
-    return tokens if len(tokens.tokens) <= limits.max_tokens else None
 
 
 # ---- sampling, scoring, evaluation -----------------------------------------------------------------------------

@@ -232,3 +232,32 @@ def test_env_with_a_rubric_in_the_asynchronous_loop_resumes_bitwise(out):
     assert list(state["rollouts"]) == ["2"] and state["rollouts"]["2"]["episodes"]  # the round in flight, played
     grpo.main(parse_run_config(GRPORunConfig, argv=[*argv, "--run.name", "rubric_b", "--run.resume", "latest"]))
     assert _records(out / "rubric_b") == _records(a)
+
+
+def test_a_hung_environment_step_does_not_keep_the_process_alive(tmp_path):
+    """A step abandoned at --env.timeout-s keeps its thread, not the process: the program exits when it is done
+    (issue 31, item 16: a finished run waited forever to join its abandoned worker threads)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = (
+        "from user_envs import HangsForAMinute\n"
+        "from meshrl.rollout.episode import EpisodeRenderer\n"
+        "from meshrl.rollout.render import RenderConfig, Renderer\n"
+        "from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner\n"
+        "from meshrl.tasks.base import Row\n"
+        "from meshrl.tokenizer import default_corpus, train_bpe_tokenizer\n"
+        "tok = train_bpe_tokenizer(default_corpus(50), 300)\n"
+        "er = EpisodeRenderer(Renderer(tok, RenderConfig(), stop_token_ids=[tok.eos_token_id]))\n"
+        "run = EpisodeRunner(HangsForAMinute, er, None, EpisodeLimits(2, 128, 8, timeout_s=0.5))\n"
+        "print(run.demonstrations([Row('x', answer='1')])[0], flush=True)\n"
+    )
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, cwd=Path(__file__).parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("env_timeout: ") and time.perf_counter() - t0 < 40
+

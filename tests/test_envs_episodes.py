@@ -261,6 +261,26 @@ def test_raising_and_hanging_environments_end_only_their_episode(engine):
     assert episodes[2].outcome.messages[0]["content"].startswith("opening")  # the environment's own opening
 
 
+def test_warmup_demonstrations_keep_the_episode_rules(tokenizer):
+    """The supervised warm-up plays demonstrations under the rules of an episode (issue 31, item 3): worker threads
+    and --env.timeout-s per call, and a raising or hanging environment costs its row's demonstration, not the run."""
+    from user_envs import FlakyEnv
+
+    def no_generation(prompts, params):
+        raise AssertionError("a demonstration generates nothing")
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=MAX_LEN, turn_max_tokens=8, timeout_s=0.5)
+    run = EpisodeRunner(FlakyEnv, episode_renderer(tokenizer), no_generation, limits)
+    rows = [Row(f"row {i}", answer="1", info={"kind": k}) for i, k in enumerate(["ok", "raise", "hang", "hang", "ok"])]
+    t0 = time.perf_counter()
+    played = run.demonstrations(rows)
+    assert time.perf_counter() - t0 < 3.0  # two 5 s steps, cut at 0.5 s, side by side
+    assert isinstance(played[0], EpisodeTokens) and isinstance(played[4], EpisodeTokens)
+    assert played[0].num_model_tokens > 0 and len(played[0].turn_starts) == 2  # both demonstrated turns
+    assert played[1] == "env_error: RuntimeError: environment bug"
+    assert played[2].startswith("env_timeout: ") and played[3].startswith("env_timeout: ")
+
+
 @pytest.mark.parametrize("batches", [1, 3])
 def test_episodes_are_reproducible_whatever_the_timing(engine, batches):
     """Environments answer after random delays; the episodes sampled are the same every time (which episodes

@@ -42,6 +42,9 @@ class FlakyEnv(Environment):
             return StepResult(reward=1.0, done=True)
         return StepResult("go on")
 
+    def demonstration(self, row: Row) -> list[str]:
+        return ["1", "1"]
+
 
 class AsyncStallEnv(Environment):
     """An async environment that stalls on rows marked 'stall' (the event loop must not wait on it)."""
@@ -71,3 +74,15 @@ class JitterEnv(Environment):
         self.turn += 1
         await asyncio.sleep(random.random() * 0.03)
         return StepResult(f"turn {self.turn}", reward=float(len(message) % 2))
+
+
+class HangsForAMinute(Environment):
+    """A step that never comes back in time (a blocking call with no timeout of its own)."""
+
+    def step(self, message: str) -> StepResult:
+        time.sleep(60)
+        return StepResult(done=True)
+
+    def demonstration(self, row: Row) -> list[str]:
+        return ["1"]
+

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import inspect
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,41 @@ class _EnvFailure(Exception):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
         self.kind = kind
+
+
+class _DaemonThreads:
+    """Runs an environment's blocking calls on daemon threads, at most `max_threads` at once. A call abandoned
+    after its timeout (a step that never returns) keeps its thread, but never the process from exiting: a
+    ThreadPoolExecutor's threads are joined at exit, so one hung step used to keep a finished run alive."""
+
+    def __init__(self, max_threads: int) -> None:
+        self.slots = threading.BoundedSemaphore(max(1, max_threads))
+
+    def submit(self, fn: Callable, *args: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if future.done():  # cancelled by the timeout
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def target() -> None:
+            with self.slots:
+                try:
+                    value, error = fn(*args), None
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+                    value, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the event loop is gone: nobody waits for this call any more
+                pass
+
+        threading.Thread(target=target, daemon=True, name="meshrl-env").start()
+        return future
 
 
 class _Cohort:
@@ -102,7 +138,7 @@ class EpisodeRunner:
         self, rows: Sequence[Row], group_size: int, sampling: SamplingParams, seed: int
     ) -> list[Episode]:
         n = len(rows) * group_size
-        executor = ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix="meshrl-env")
+        executor = _DaemonThreads(self.max_threads)
         gen_executor = ThreadPoolExecutor(max_workers=max(1, self.batches), thread_name_prefix="meshrl-gen")
         sizes = [n * (c + 1) // self.batches - n * c // self.batches for c in range(self.batches)]
 
@@ -136,17 +172,52 @@ class EpisodeRunner:
                 *(self._episode(i, rows[i // group_size], cohorts[cohort_of[i]], executor, seed) for i in range(n))
             )
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)  # a hung environment's thread is left behind
-            gen_executor.shutdown(wait=False)
+            gen_executor.shutdown(wait=False)  # a hung environment's (daemon) thread is left behind
         self._add_group_rewards(episodes, group_size)
         return list(episodes)
 
-    async def _call(self, executor: ThreadPoolExecutor, fn: Callable, *args: Any) -> Any:
+    def demonstrations(self, rows: Sequence[Row]) -> list[EpisodeTokens | str | None]:
+        """Each row's `env.demonstration(row)` played through the environment, its replies filling the turns
+        between (for a supervised warm-up), under the rules of an episode: plain methods on worker threads,
+        `limits.timeout_s` per call, and an error or a timeout ends that row's demonstration, never the run.
+        Per row: the tokens (loss on the demonstrated turns), the failure as 'env_error: ...' / 'env_timeout: ...',
+        or None (no demonstration, or longer than `limits.max_tokens`)."""
+
+        async def every_row() -> list[EpisodeTokens | str | None]:
+            executor = _DaemonThreads(self.max_threads)
+            return list(await asyncio.gather(*(self._demonstration(row, executor) for row in rows)))
+
+        return asyncio.run(every_row())
+
+    async def _demonstration(self, row: Row, executor: _DaemonThreads) -> EpisodeTokens | str | None:
+        try:
+            env = await self._call(executor, self.env_factory)
+            demo = await self._call(executor, env.demonstration, row)
+            if not demo:
+                return None
+            opening = await self._call(executor, env.reset, row, 0)
+            messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
+            tokens = EpisodeTokens()
+            tokens.add_context(ids)
+            for turn, text in enumerate(demo[: self.limits.max_turns]):
+                turn_ids = self.renderer.scripted_turn_ids(text)
+                tokens.add_scripted(turn_ids)
+                messages.append({"role": "assistant", "content": text})
+                result = await self._call(executor, env.step, text)
+                if result.done or turn + 1 == len(demo):
+                    break
+                observation = as_messages(result.observation)
+                tokens.add_context(self.renderer.bridge_ids(messages, observation, turn_ids))
+                messages += observation
+        except _EnvFailure as e:
+            return f"{e.kind}: {e}"
+        except Exception as e:  # noqa: BLE001 - a malformed demonstration or observation is the environment's
+            return f"env_error: {type(e).__name__}: {e}"
+        return tokens if len(tokens.tokens) <= self.limits.max_tokens else None
+
+    async def _call(self, executor: _DaemonThreads, fn: Callable, *args: Any) -> Any:
         """An environment method, async or not, under the timeout; a plain one runs in a worker thread."""
-        if inspect.iscoroutinefunction(fn):
-            call = fn(*args)
-        else:
-            call = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        call = fn(*args) if inspect.iscoroutinefunction(fn) else executor.submit(fn, *args)
         try:
             return await asyncio.wait_for(call, self.limits.timeout_s)
         except TimeoutError as e:
