@@ -228,6 +228,14 @@ class Rollouts:
 
     def __init__(self, ctl: Any, setup: TaskSetup, source: Any, sampling: SamplingParams, cfg: Any, *, dp: int) -> None:
         self.ctl, self.setup, self.source, self.sampling, self.cfg, self.dp = ctl, setup, source, sampling, cfg, dp
+        if cfg is not None and len(setup.train) < cfg.prompts_per_step:
+            print(
+                f"[meshrl] WARNING: the training data has {len(setup.train)} rows, fewer than one step's "
+                f"--grpo.prompts-per-step {cfg.prompts_per_step}: every step draws some rows more than once (their "
+                "groups then share a prompt); add rows or lower --grpo.prompts-per-step",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def launch(self, sampler: EpochSampler, rng: random.Random, *, background: bool = False) -> Round:
         """Draw a round's rows and seed, and send it (returns at once)."""

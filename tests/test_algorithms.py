@@ -442,3 +442,15 @@ def test_dynamic_sampling_never_trains_an_all_equal_group():
         )
         assert got.rounds == 1 and len(got.episodes) % 4 == 0
         assert all(max(g) != min(g) for g in _groups(got.rewards, 2))
+
+
+def test_data_smaller_than_one_step_is_said(capsys):
+    """8 rows and 16 prompts a step: every step draws rows twice; said once, at the start (issue 31, item 7)."""
+    from meshrl.controller.rollouts import Rollouts, SingleTurnRollout
+    from meshrl.types import SamplingParams
+
+    setup = _reverse_setup(num_train=8, num_eval=2, min_len=2, max_len=3, alphabet="abcd")
+    sampling = SamplingParams(n=2, max_tokens=8)
+    Rollouts(_StandInCtl(), setup, SingleTurnRollout(setup, 8), sampling, GRPOConfig(prompts_per_step=16), dp=2)
+    assert "the training data has 8 rows, fewer than one step's --grpo.prompts-per-step 16" in capsys.readouterr().err
+
