@@ -44,16 +44,7 @@ class PolicyTrainer(Actor):
     async def setup(self) -> dict:
         from meshrl.policy import policy_from_env
 
-        self.policy = policy_from_env(
-            self.model_dir,
-            attn_backend=self.model_cfg.attn_backend,
-            param_dtype=self.model_cfg.dtype,
-            device=self.trainer_cfg.device,
-            pad_id=self.pad_id,
-            backend=self.model_cfg.backend,
-            backend_options=self.model_cfg.backend_options(),
-            **self.trainer_cfg.policy_options(),  # speed levers
-        )
+        self.policy = policy_from_env(self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id)
         return self._info()
 
     @endpoint

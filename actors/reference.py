@@ -22,16 +22,7 @@ class ReferenceModel(Actor):
     async def setup(self) -> dict:
         from meshrl.policy import policy_from_env
 
-        self.policy = policy_from_env(
-            self.model_dir,
-            attn_backend=self.model_cfg.attn_backend,
-            param_dtype=self.model_cfg.dtype,
-            device=self.trainer_cfg.device,
-            pad_id=self.pad_id,
-            backend=self.model_cfg.backend,
-            backend_options=self.model_cfg.backend_options(),
-            **self.trainer_cfg.policy_options(),  # speed levers
-        )
+        self.policy = policy_from_env(self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id)
         for p in self.policy.model.parameters():
             p.requires_grad_(False)
         # Eval mode, as the trainer's (HFBackend keeps its model there): the reference logprobs of a model with

@@ -35,6 +35,7 @@ def main() -> None:
     args.out = args.out or f"bench/results/sft_packing{'' if args.backend == 'torchtitan' else '_' + args.backend}.json"
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29717")
+    from meshrl.config import ModelConfig, TrainerConfig
     from meshrl.data.sft import SFTExample, pack_examples
     from meshrl.models.qwen3 import create_random_checkpoint
     from meshrl.policy import policy_from_env
@@ -47,7 +48,8 @@ def main() -> None:
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     hf_cfg["max_position_embeddings"] = max(args.pack_len, args.max_len)
     (model_dir / "config.json").write_text(json.dumps(hf_cfg))
-    policy = policy_from_env(str(model_dir), device=device, backend=args.backend)
+    trainer_cfg = TrainerConfig(num_procs=1, device=device, pack_sequences=False)  # rows packed by hand below
+    policy = policy_from_env(str(model_dir), ModelConfig(backend=args.backend), trainer_cfg)
     rng = random.Random(0)
 
     def batch() -> list[SFTExample]:

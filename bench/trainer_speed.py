@@ -9,7 +9,7 @@ the speed levers, beside the plain transformers loop, in one run on one GPU.
 With `--backend torchtitan` the baseline is the bare torchtitan loop ("plain-titan": torchtitan's Qwen3 built
 on the meta device, materialised on the GPU in pure bf16, flex attention (torchtitan's compiled flex), each
 block torch.compile'd, full-vocab float32 cross-entropy, fused AdamW; no FSDP, no actors; 'plain-titan-sdpa': the
-same with torchtitan's SDPA) and ours is `Policy(backend="torchtitan")` with the config's levers: flex attention
+same with torchtitan's SDPA) and ours is `Policy.from_options` with the config's levers: flex attention
 unless the config says `attn_backend: sdpa` (cuDNN first), `logprob_keep_logits` (`+keep`), etc. `actor:` configs
 drive the PolicyTrainer actor from this process through the Controller, the optimiser step carried by the
 `forward_backward` call as the GRPO loop sends it (`actor-wait:` calls `optim_step` after reading the result of
@@ -203,7 +203,9 @@ def policy_loop(
     dev = tokens.device
     levers = dict(levers)
     attn = levers.pop("attn_backend", "flex" if (backend == "torchtitan" and dev.type == "cuda") else "sdpa")
-    policy = Policy(model_dir, backend=backend, param_dtype="bfloat16", device=dev.type, attn_backend=attn, **levers)
+    policy = Policy.from_options(
+        model_dir, backend=backend, dtype="bfloat16", device=dev.type, attn_backend=attn, **levers
+    )
     rows = tokens.tolist()
     data = [Datum.from_completion(r[:1], r[1:]) for r in rows]
     spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))

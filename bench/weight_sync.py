@@ -90,7 +90,7 @@ def main() -> None:
                 raise RuntimeError(f"generator process died (exit code {gen.exitcode}); see its traceback above")
         return conn.recv()
 
-    policy = Policy(model_dir, backend="hf", param_dtype="bfloat16", device=dev.type)
+    policy = Policy.from_options(model_dir, backend="hf", dtype="bfloat16", device=dev.type)
     _, gen_identity = recv()
     transport = choose_transport(device_identity(dev), gen_identity)
     bf16 = torch.bfloat16

@@ -116,7 +116,7 @@ def vllm_engine(ckpt, one_rank_group):
 def policy(ckpt, one_rank_group):
     from meshrl.policy import Policy
 
-    return Policy(ckpt[0], backend="hf", pad_id=0)
+    return Policy.from_options(ckpt[0], backend="hf", pad_id=0)
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
@@ -214,9 +214,10 @@ def test_config_helpers(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match=r"model.backend='torchtitan' loads Qwen3 checkpoints only; .* is a 'gpt2' "):
         check_backend_supports(gpt2, "torchtitan")
     with pytest.raises(ConfigError, match="use --model.backend hf"):  # the trainer's own refusal says the same
+        from meshrl.models.config import ModelConfig, TrainerConfig
         from meshrl.models.titan_backend import TorchtitanBackend
 
-        TorchtitanBackend(str(gpt2), device=torch.device("cpu"))
+        TorchtitanBackend(str(gpt2), ModelConfig(), TrainerConfig(num_procs=1), device=torch.device("cpu"))
     # Atomic, readable, seeded: the same arguments give the same weights; a rebuild replaces the directory.
     again = create_tiny_checkpoint(tmp_path / "gpt2", arch="gpt2", tokenizer=tokenizer, max_position_embeddings=96)
     assert (again / "model.safetensors").read_bytes() == (gpt2 / "model.safetensors").read_bytes()
@@ -350,8 +351,8 @@ def test_lora_stays_in_eval_mode_and_merges(ckpt, one_rank_group, tmp_path):
     from meshrl.policy import Policy
 
     path, model, prompts = ckpt
-    lora = {"r": 4, "lora_alpha": 8.0, "target_modules": "all-linear", "fan_in_fan_out": model_type(path) == "gpt2"}
-    p = Policy(path, backend="hf", backend_options={"lora": lora, "seed": 0})
+    # peft sets fan_in_fan_out itself for GPT-2's Conv1D layers (stored [in, out]), with a warning.
+    p = Policy.from_options(path, backend="hf", lora_rank=4, lora_alpha=8.0, lora_target_modules="all-linear", seed=0)
     assert not any(m.training for m in p.model.modules())
     data = [Datum.from_completion(q, q[::-1][:6], None, 1.0) for q in prompts]
     for _ in range(2):

@@ -183,6 +183,6 @@ def test_backend_is_validated():
         ModelConfig(backend="jax")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="needs model.backend='hf'"):
         ModelConfig(lora_rank=8)
-    assert ModelConfig(backend="hf", lora_rank=8, lora_target_modules="q_proj, v_proj").backend_options()["lora"][
+    assert ModelConfig(backend="hf", lora_rank=8, lora_target_modules="q_proj, v_proj").lora_options()[
         "target_modules"
     ] == ["q_proj", "v_proj"]

@@ -82,7 +82,7 @@ def test_offloaded_optimizer_state_comes_back_exactly(tmp_path):
     spec = make_loss_spec("grpo", data)
     weights = []
     for offload in (False, True):
-        p = Policy(model_dir, device="cuda", backend="hf")
+        p = Policy.from_options(model_dir, device="cuda", backend="hf")
         for _ in range(3):
             p.forward_backward(data, spec, OptimParams(lr=1e-3))
             if offload:

@@ -81,7 +81,7 @@ def test_pack_for_forward_maps_back_to_every_target():
 def _loss_and_grads(model_dir, backend, data, spec, pack):
     from meshrl.policy import Policy
 
-    p = Policy(model_dir, backend=backend, pack_sequences=pack)
+    p = Policy.from_options(model_dir, backend=backend, pack_sequences=pack)
     assert p.pack_sequences is pack  # the start-up check found packing sound for this model
     fb = p.forward_backward(data, spec)
     grads = {n: full_tensor(q.grad).clone() for n, q in p.model.named_parameters() if q.grad is not None}

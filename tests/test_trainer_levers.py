@@ -63,18 +63,6 @@ def test_chunked_linear_logprobs_no_bias_bf16_weight():
 
 
 def test_trainer_config_levers():
-    cfg = TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=512, activation_checkpointing=True)
-    assert cfg.policy_options() == {
-        "logprob_chunk_size": 512,
-        "logprob_keep_logits": False,
-        "compile": False,
-        "activation_checkpointing": True,
-        "master_dtype": "float32",
-        "optimizer_cuda_graph": False,
-        "bf16_rounding": "kahan",
-        "pack_sequences": True,
-        "pack_row_len": 0,
-    }
     with pytest.raises(ConfigError, match="logprob_chunk_size"):
         TrainerConfig(num_procs=1, micro_batch_size=2, logprob_chunk_size=-1)
     with pytest.raises(ConfigError, match="logprob_keep_logits.*logprob_chunk_size > 0"):
@@ -92,7 +80,7 @@ def _run(model_dir: str, backend: str, **levers):
     """Logprobs of `forward`, and the gradients one `forward_backward` leaves, of a fresh Policy."""
     from meshrl.policy import Policy
 
-    p = Policy(model_dir, backend=backend, **levers)
+    p = Policy.from_options(model_dir, backend=backend, **levers)
     data = random_data(4, seed=3)
     fwd = p.forward(data, temperature=0.8)
     spec = LossSpec(
@@ -133,7 +121,8 @@ def test_levers_match_the_plain_path(one_rank_group, base_model_dir, backend):
 def test_chunked_head_keeps_plain_logits_and_names(one_rank_group, base_model_dir):
     from meshrl.policy import Policy
 
-    plain, chunked = Policy(base_model_dir, backend="hf"), Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
+    plain = Policy.from_options(base_model_dir, backend="hf")
+    chunked = Policy.from_options(base_model_dir, backend="hf", logprob_chunk_size=4)
     tokens = torch.tensor([[1, 5, 6, 7, 2]])
     # Disarmed, the patched head is the plain projection; parameter names (checkpoints, weight sync) unchanged.
     torch.testing.assert_close(chunked.backend.logits(tokens), plain.backend.logits(tokens), rtol=0, atol=0)
@@ -179,7 +168,7 @@ def test_publish_weights_ipc_serves_the_live_weights(one_rank_group, base_model_
     from meshrl.types import OptimParams
     from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
 
-    p = Policy(base_model_dir, backend="hf", logprob_chunk_size=4)
+    p = Policy.from_options(base_model_dir, backend="hf", logprob_chunk_size=4)
     engine = TransformersEngine(base_model_dir, dtype="float32", max_model_len=32, max_num_seqs=2, device="cpu")
     rx = None
     try:
@@ -207,8 +196,8 @@ def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
     from meshrl.policy import Policy
     from meshrl.types import OptimParams
 
-    mixed = Policy(base_model_dir, backend=backend, param_dtype="bfloat16")
-    pure = Policy(base_model_dir, backend=backend, param_dtype="bfloat16", master_dtype="bfloat16")
+    mixed = Policy.from_options(base_model_dir, backend=backend, dtype="bfloat16")
+    pure = Policy.from_options(base_model_dir, backend=backend, dtype="bfloat16", master_dtype="bfloat16")
     assert {q.dtype for q in mixed.model.parameters()} == {torch.float32}
     assert {q.dtype for q in pure.model.parameters()} == {torch.bfloat16}
     # One rank: FSDP only where there is a cast to do (fp32 masters); pure bf16 runs the model as is.
@@ -228,7 +217,7 @@ def test_bf16_master_weights(one_rank_group, base_model_dir, backend):
     after = pure.hf_state_dict()
     assert any(not torch.equal(after[k], before[k]) for k in before)
     with pytest.raises(ValueError, match="needs param_dtype='bfloat16'"):
-        Policy(base_model_dir, backend=backend, master_dtype="bfloat16")
+        Policy.from_options(base_model_dir, backend=backend, master_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("backend", ["hf", "torchtitan"])
@@ -247,7 +236,7 @@ def test_packed_rows_equal_unpacked(one_rank_group, base_model_dir, backend):
     spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in plain))
     out = []
     for data in (plain, packed):
-        p = Policy(base_model_dir, backend=backend)
+        p = Policy.from_options(base_model_dir, backend=backend)
         loss = p.forward_backward(data, spec).loss
         out.append((loss, {n: full_tensor(q.grad).clone() for n, q in p.model.named_parameters()}))
     assert out[1][0] == pytest.approx(out[0][0], rel=1e-5)
@@ -263,7 +252,7 @@ def test_fused_optimizer_skips_a_nonfinite_step_on_the_device(one_rank_group, ba
     from meshrl.policy import Policy
     from meshrl.types import LossSpec, OptimParams
 
-    p = Policy(base_model_dir, backend="torchtitan")
+    p = Policy.from_options(base_model_dir, backend="torchtitan")
     p.optimizer = FusedAdamW([q for q in p.model.parameters() if q.requires_grad], lr=0.0)
     data = random_data(2, seed=5)
     spec = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
@@ -290,7 +279,7 @@ def test_optim_step_refuses_a_batch_with_a_failed_micro_batch(one_rank_group, ba
     from meshrl.policy import Policy, collate
     from meshrl.types import LossSpec, OptimParams
 
-    p = Policy(base_model_dir, backend="torchtitan")
+    p = Policy.from_options(base_model_dir, backend="torchtitan")
     data = random_data(2, seed=5)
     spec = LossSpec("cross_entropy", num_loss_tokens=2 * sum(d.num_loss_tokens for d in data))
     before = {k: v.clone() for k, v in p.model.state_dict().items()}
@@ -334,7 +323,7 @@ def test_the_step_carried_by_forward_backward_equals_optim_step(one_rank_group, 
     params = OptimParams(lr=1e-2, grad_clip=0.5, weight_decay=0.1, num_micro_batches=2)
     runs = []
     for carried in (False, True):
-        p = Policy(base_model_dir, backend="torchtitan")
+        p = Policy.from_options(base_model_dir, backend="torchtitan")
         if fused_optimizer:
             p.optimizer = FusedAdamW([q for q in p.model.parameters() if q.requires_grad], lr=0.0)
         out = []

@@ -11,6 +11,7 @@ gradients and bumps `policy_version`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from torch.profiler import record_function
 from meshrl.batching import activation_bytes_per_token, pack_rows, token_budget
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
+from meshrl.models.config import ModelConfig, TrainerConfig
 from meshrl.models.logprobs import target_logprobs  # noqa: F401 - re-exported (tests, users)
 from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
@@ -121,77 +123,57 @@ class Policy:
     on one rank with nothing to cast: `meshrl.models.sharding.use_fsdp`)."""
 
     def __init__(
-        self,
-        model_dir: str,
-        *,
-        attn_backend: str = "sdpa",
-        param_dtype: str = "float32",
-        device: str = "cpu",
-        pad_id: int = 0,
-        backend: str = "torchtitan",
-        backend_options: dict | None = None,
-        compile: bool = False,
-        activation_checkpointing: bool = False,
-        logprob_chunk_size: int = 0,
-        logprob_keep_logits: bool = False,
-        master_dtype: str = "float32",
-        optimizer_cuda_graph: bool = False,
-        bf16_rounding: str = "kahan",
-        pack_sequences: bool = False,
-        pack_row_len: int = 0,
+        self, model_dir: str | Path, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, pad_id: int = 0
     ) -> None:
-        """`compile`, `activation_checkpointing`, `logprob_chunk_size`, `logprob_keep_logits`, `master_dtype`,
-        `optimizer_cuda_graph`, `bf16_rounding`: the trainer speed levers (TrainerConfig), applied by either backend;
-        see `HFBackend` / `TorchtitanBackend`. `pack_sequences`: the sequences of a call share rows (document-masked
-        attention, per-document positions; `meshrl.batching.pack_rows` with `pack_row_len`), an optimisation only."""
+        """The model in `model_dir`, built as `model_cfg` says (trainer backend, attention kernel, compute dtype,
+        LoRA) and trained as `trainer_cfg` says: its device, its speed levers (applied by either backend, see
+        `HFBackend` / `TorchtitanBackend`), master dtype and bf16 rounding (the optimiser), and sequence packing
+        (the sequences of a call share rows: document-masked attention, per-document positions,
+        `meshrl.batching.pack_rows` under `pack_row_len`; an optimisation only, checked against the model here).
+        `pad_id` pads unpacked rows. Tests and benches name the fields instead: `Policy.from_options`."""
         if not dist.is_initialized():
             raise RuntimeError("Policy needs torch.distributed initialised (RANK/WORLD_SIZE/MASTER_ADDR set)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.optimizer_cuda_graph, self.bf16_rounding = optimizer_cuda_graph, bf16_rounding
-        self.pack_sequences, self.pack_row_len = pack_sequences, pack_row_len
-        self.param_dtype = param_dtype
+        self.model_cfg, self.trainer_cfg = model_cfg, trainer_cfg
+        device = trainer_cfg.device
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.model_dir = str(model_dir)
         self.pad_id = pad_id
-        if master_dtype == "bfloat16" and param_dtype != "bfloat16":
-            raise ValueError(f"master_dtype='bfloat16' needs param_dtype='bfloat16' (got {param_dtype!r})")
-        levers = dict(
-            compile=compile,
-            activation_checkpointing=activation_checkpointing,
-            logprob_chunk_size=logprob_chunk_size,
-            logprob_keep_logits=logprob_keep_logits,
-            master_dtype=master_dtype,
-        )
-        self.backend_levers = levers
-        backend_options = {**levers, **(backend_options or {})}
-        if backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
+        if trainer_cfg.master_dtype == "bfloat16" and model_cfg.dtype != "bfloat16":
+            raise ValueError(f"master_dtype='bfloat16' needs param_dtype='bfloat16' (got {model_cfg.dtype!r})")
+        if model_cfg.backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
             from meshrl.models.hf_backend import HFBackend
 
-            self.backend = HFBackend(
-                model_dir,
-                device=self.device,
-                attn_backend=attn_backend,
-                param_dtype=param_dtype,
-                **backend_options,
-            )
-        elif backend == "torchtitan":
-            self.backend = TorchtitanBackend(
-                model_dir,
-                device=self.device,
-                attn_backend=attn_backend,
-                param_dtype=param_dtype,
-                **backend_options,
-            )
+            self.backend = HFBackend(model_dir, model_cfg, trainer_cfg, device=self.device)
+        elif model_cfg.backend == "torchtitan":
+            self.backend = TorchtitanBackend(model_dir, model_cfg, trainer_cfg, device=self.device)
         else:
-            raise ValueError(f"model backend {backend!r}; use 'torchtitan' or 'hf'")
+            raise ValueError(f"model backend {model_cfg.backend!r}; use 'torchtitan' or 'hf'")
         self.model, self.max_seq_len = self.backend.model, self.backend.max_seq_len
         self.policy_version = 0
         self.num_micro_batches = 0  # forward_backward calls that succeeded since the last step (OptimParams)
         self.load_hf(model_dir)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # offload_optimizer_state()
-        if self.pack_sequences:
-            self.pack_sequences = self._packing_holds()
+        self.pack_sequences = trainer_cfg.pack_sequences and self._packing_holds()  # what the start-up check allows
+
+    @classmethod
+    def from_options(cls, model_dir: str | Path, *, pad_id: int = 0, **options) -> Policy:
+        """For tests and benches: a Policy on this process group from fields of `ModelConfig` and `TrainerConfig`
+        named as keywords; the other fields keep their defaults, except that `num_procs` is the group's size and
+        sequences are packed only when `pack_sequences=True` is given.
+
+            Policy.from_options(model_dir, backend="hf", dtype="bfloat16", logprob_chunk_size=4096)
+        """
+        names = {section: {f.name for f in dataclasses.fields(section)} for section in (ModelConfig, TrainerConfig)}
+        unknown = sorted(set(options) - names[ModelConfig] - names[TrainerConfig])
+        if unknown:
+            raise TypeError(f"Policy.from_options: {unknown} are fields of neither ModelConfig nor TrainerConfig")
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        trainer = {"num_procs": ranks, "micro_batch_size": ranks, "pack_sequences": False}
+        trainer |= {k: v for k, v in options.items() if k in names[TrainerConfig]}
+        model_cfg = ModelConfig(**{k: v for k, v in options.items() if k in names[ModelConfig]})
+        return cls(model_dir, model_cfg, TrainerConfig(**trainer), pad_id)
 
     # ---- the endpoint math --------------------------------------------------------------------------------
     def _local_shard(self, data: list[Datum], split: list[int] | None = None) -> list[Datum]:
@@ -250,7 +232,7 @@ class Policy:
         forward (losses, aggregations, metrics, the per-datum rows returned) is the same code either way."""
         if not self.pack_sequences or len(local) < 2 or any(d.positions is not None for d in local):
             return self._logprobs(tokens, temperature, collate_positions(local, self.device))
-        packed, positions, index = pack_for_forward(local, self.pad_id, self.pack_row_len, self.device)
+        packed, positions, index = pack_for_forward(local, self.pad_id, self.trainer_cfg.pack_row_len, self.device)
         rows = self._logprobs(packed, temperature, positions)  # [R, Lr - 1]
         return rows.reshape(-1)[index]
 
@@ -273,7 +255,7 @@ class Policy:
             together = self._logprobs(packed, 1.0, positions).reshape(-1)[index]
         self._reshard()
         gap = float((separate - together).abs()[batch.mask > 0].max())
-        tolerance = 1e-3 if self.param_dtype == "float32" else 5e-2
+        tolerance = 1e-3 if self.model_cfg.dtype == "float32" else 5e-2
         if not gap <= tolerance:
             warnings.warn(
                 f"packed rows change this model's logprobs by up to {gap:.3g} nats (attention crosses documents: "
@@ -483,9 +465,9 @@ class Policy:
             free = _host_available_bytes() // self.world_size
         per_token = activation_bytes_per_token(
             self.backend.hf_config,
-            compute_bytes=4 if self.param_dtype == "float32" else 2,
-            activation_checkpointing=self.backend_levers["activation_checkpointing"],
-            logprob_chunk_size=self.backend_levers["logprob_chunk_size"],
+            compute_bytes=4 if self.model_cfg.dtype == "float32" else 2,
+            activation_checkpointing=self.trainer_cfg.activation_checkpointing,
+            logprob_chunk_size=self.trainer_cfg.logprob_chunk_size,
         )
         return token_budget(max(free - pending, 0), per_token)
 
@@ -635,10 +617,11 @@ class Policy:
         # with optimizer_cuda_graph), torch's for FSDP2's DTensors; foreach on CPU, whose results the CPU tests
         # compare bitwise across runs. Pure-bf16 weights with a rounding other than nearest need ours anywhere.
         sharded = any(isinstance(q, DTensor) for q in trainable)
-        bf16_rounded = self.bf16_rounding != "nearest" and any(q.dtype == torch.bfloat16 for q in trainable)
+        rounding = self.trainer_cfg.bf16_rounding
+        bf16_rounded = rounding != "nearest" and any(q.dtype == torch.bfloat16 for q in trainable)
         if sharded and bf16_rounded:
             raise ValueError(
-                f"bf16_rounding={self.bf16_rounding!r} needs unsharded weights (one trainer rank); with FSDP "
+                f"bf16_rounding={rounding!r} needs unsharded weights (one trainer rank); with FSDP "
                 "shards use bf16_rounding='nearest' or fp32 master weights"
             )
         if self.device.type != "cuda" and not bf16_rounded:
@@ -647,7 +630,7 @@ class Policy:
             self.optimizer = torch.optim.AdamW(trainable, lr=0.0, fused=True)
         else:
             self.optimizer = FusedAdamW(
-                trainable, lr=0.0, cuda_graph=self.optimizer_cuda_graph, bf16_rounding=self.bf16_rounding
+                trainable, lr=0.0, cuda_graph=self.trainer_cfg.optimizer_cuda_graph, bf16_rounding=rounding
             )
         if hasattr(self, "num_params"):  # not the initial load
             self.policy_version += 1
@@ -681,11 +664,13 @@ def _host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def policy_from_env(model_dir: str | Path, **kwargs) -> Policy:
-    """Initialise the process group from RANK/WORLD_SIZE/MASTER_ADDR (set by Monarch or torchrun) and build."""
+def policy_from_env(
+    model_dir: str | Path, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, pad_id: int = 0
+) -> Policy:
+    """Initialise the process group from RANK/WORLD_SIZE/MASTER_ADDR (set by Monarch or torchrun) and build: the one
+    construction of the trainer's and the reference model's Policy (actors/policy_trainer.py, actors/reference.py)."""
     if not dist.is_initialized():
-        device = kwargs.get("device", "cpu")
-        if device != "cpu":
+        if trainer_cfg.device != "cpu":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("gloo" if device == "cpu" else "nccl")
-    return Policy(str(model_dir), **kwargs)
+        dist.init_process_group("gloo" if trainer_cfg.device == "cpu" else "nccl")
+    return Policy(str(model_dir), model_cfg, trainer_cfg, pad_id)

@@ -2,6 +2,8 @@
 (`--model.*`: the checkpoint or new model to start from, its trainer code, dtype and LoRA) and `TrainerConfig`
 (`--trainer.*`: processes, devices, micro-batches, speed and memory levers). Imports neither torch nor transformers,
 so `meshrl.config` nests them cheaply.
+
+    Policy(model_dir, ModelConfig(backend="hf"), TrainerConfig(num_procs=1, logprob_chunk_size=4096), pad_id)
 """
 
 from __future__ import annotations
@@ -62,15 +64,14 @@ class ModelConfig:
                     "or set model.path to an HF checkpoint dir"
                 )
 
-    def backend_options(self) -> dict:
-        """Keyword arguments of the chosen backend's constructor beyond attention kernel and dtype."""
-        opts: dict = {}
-        if self.lora_rank:
-            t = self.lora_target_modules.strip()
-            targets = t if t == "all-linear" else [m.strip() for m in t.split(",") if m.strip()]
-            opts["lora"] = {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "target_modules": targets}
-            opts["seed"] = self.seed
-        return opts
+    def lora_options(self) -> dict | None:
+        """The `peft.LoraConfig` fields of the adapters (`HFBackend` builds them, seeded by `seed`); None without
+        LoRA."""
+        if not self.lora_rank:
+            return None
+        t = self.lora_target_modules.strip()
+        targets = t if t == "all-linear" else [m.strip() for m in t.split(",") if m.strip()]
+        return {"r": self.lora_rank, "lora_alpha": self.lora_alpha, "target_modules": targets}
 
 
 @dataclass
@@ -136,20 +137,6 @@ class TrainerConfig:
     loops' way) that host work hides behind the backward and the graph's cost wins: gradients stay allocated
     and backward adds into them (~2 ms more GPU work per step at 0.6B). Falls back to the eager step, with a
     warning, if capture fails; no effect on CPU or with FSDP."""
-
-    def policy_options(self) -> dict:
-        """The speed levers as keyword arguments of `meshrl.policy.Policy`."""
-        return {
-            "logprob_chunk_size": self.logprob_chunk_size,
-            "logprob_keep_logits": self.logprob_keep_logits,
-            "compile": self.compile,
-            "activation_checkpointing": self.activation_checkpointing,
-            "master_dtype": self.master_dtype,
-            "optimizer_cuda_graph": self.optimizer_cuda_graph,
-            "bf16_rounding": self.bf16_rounding,
-            "pack_sequences": self.pack_sequences,
-            "pack_row_len": self.pack_row_len,
-        }
 
     def __post_init__(self) -> None:
         if self.num_procs < 1:

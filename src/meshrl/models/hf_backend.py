@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from meshrl.models import qwen3
 from meshrl.models.hf_config import max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
+
+if TYPE_CHECKING:
+    from meshrl.models.config import ModelConfig, TrainerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _ATTN = {"sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
@@ -82,8 +85,9 @@ def retie(model: nn.Module, aliases: dict[str, str]) -> None:
 
 
 class HFBackend:
-    """A transformers causal LM under FSDP2. `lora`: None, or a dict of `peft.LoraConfig` fields (then only
-    the adapters train, and `hf_state_dict()` returns the merged weights under the base model's names).
+    """A transformers causal LM under FSDP2, as `ModelConfig` and `TrainerConfig` say. With LoRA
+    (`ModelConfig.lora_options`) only the adapters train, and `hf_state_dict()` returns the merged weights under the
+    base model's names.
 
     Speed levers (all off by default): `activation_checkpointing` (each decoder layer is recomputed in backward),
     `compile` (each decoder layer's forward goes through torch.compile), `logprob_chunk_size` (> 0: target
@@ -94,21 +98,14 @@ class HFBackend:
     supports_packing = True
 
     def __init__(
-        self,
-        model_dir: str,
-        *,
-        device: torch.device,
-        attn_backend: str = "sdpa",
-        param_dtype: str = "float32",
-        lora: dict[str, Any] | None = None,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        logprob_chunk_size: int = 0,
-        logprob_keep_logits: bool = False,
-        master_dtype: str = "float32",
-        seed: int = 0,
+        self, model_dir: str, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, *, device: torch.device
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        attn_backend, param_dtype, master_dtype = model_cfg.attn_backend, model_cfg.dtype, trainer_cfg.master_dtype
+        lora, seed = model_cfg.lora_options(), model_cfg.seed
+        compile, activation_checkpointing = trainer_cfg.compile, trainer_cfg.activation_checkpointing
+        logprob_chunk_size, logprob_keep_logits = trainer_cfg.logprob_chunk_size, trainer_cfg.logprob_keep_logits
 
         if attn_backend not in _ATTN:
             raise ValueError(f"attn_backend={attn_backend!r}; use one of {sorted(_ATTN)}")

@@ -9,6 +9,7 @@ the optimiser and the endpoint math, whatever the backend.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from meshrl.models import qwen3
 from meshrl.models.hf_config import check_backend_supports, max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
+
+if TYPE_CHECKING:
+    from meshrl.models.config import ModelConfig, TrainerConfig
 
 __all__ = ["TorchtitanBackend", "full_tensor", "load_full_state_dict"]
 
@@ -72,7 +76,8 @@ class DocumentMaskedSDPA(torch.nn.Module):
 
 
 class TorchtitanBackend:
-    """torchtitan Qwen3 under torchtitan's parallelize. Speed levers (off by default): `activation_checkpointing`
+    """torchtitan Qwen3 under torchtitan's parallelize, as `ModelConfig` (attention kernel, compute dtype) and
+    `TrainerConfig` say. Speed levers (off by default): `activation_checkpointing`
     (torchtitan's full AC per block), `compile` (torchtitan's per-block torch.compile), `logprob_chunk_size`
     (> 0: chunked target logprobs, never the full float32 logits; see `meshrl.models.logprobs`; with
     `logprob_keep_logits` its compute-dtype logits kept for backward instead of recomputed), `master_dtype`
@@ -82,18 +87,11 @@ class TorchtitanBackend:
     supports_packing = True
 
     def __init__(
-        self,
-        model_dir: str,
-        *,
-        device: torch.device,
-        attn_backend: str = "sdpa",
-        param_dtype: str = "float32",
-        activation_checkpointing: bool = False,
-        compile: bool = False,
-        logprob_chunk_size: int = 0,
-        logprob_keep_logits: bool = False,
-        master_dtype: str = "float32",
+        self, model_dir: str, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, *, device: torch.device
     ) -> None:
+        attn_backend, param_dtype, master_dtype = model_cfg.attn_backend, model_cfg.dtype, trainer_cfg.master_dtype
+        compile, activation_checkpointing = trainer_cfg.compile, trainer_cfg.activation_checkpointing
+        logprob_chunk_size, logprob_keep_logits = trainer_cfg.logprob_chunk_size, trainer_cfg.logprob_keep_logits
         if logprob_chunk_size < 0:
             raise ValueError(f"logprob_chunk_size={logprob_chunk_size} must be >= 0 (0: full logits)")
         self.device, self.attn_backend = device, attn_backend
