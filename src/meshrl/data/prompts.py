@@ -128,9 +128,23 @@ def load_prompt_rows(source: Source, cfg: DataConfig, *, limit: int | None = Non
     return PromptRows(rows, name, skipped)
 
 
-def to_row(raw: Any, cfg: DataConfig) -> Row:
+PYTHON_ROWS = DataConfig()
+"""The field names of rows given as dicts from Python (an environment's `rows`): a data file's defaults."""
+
+
+def as_row(value: Row | Mapping[str, Any]) -> Row:
+    """A row given from Python: a `Row` as is, or a dict in a data file's shape (`prompt` text or chat `messages`,
+    an optional `answer`, every other field into `Row.info`), read as `to_row` reads a file's rows. Raises
+    BadRowError saying what is wrong with a dict."""
+    if isinstance(value, Row):
+        return value
+    return to_row(value, PYTHON_ROWS, answer_required=False)
+
+
+def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True) -> Row:
     """One raw row -> `Row`, or BadRowError saying what is wrong with it (the reason only: no file / row number,
-    and nothing row-specific, so that skipped rows count by reason)."""
+    and nothing row-specific, so that skipped rows count by reason). `answer_required` False: a row without the
+    answer field (nor a trailing assistant turn) has answer None."""
     if isinstance(raw, BadRowError):
         raise raw
     if not isinstance(raw, Mapping):
@@ -157,12 +171,12 @@ def to_row(raw: Any, cfg: DataConfig) -> Row:
     if cfg.answer_field is not None and _present(raw, cfg.answer_field):
         answer = _answer(raw[cfg.answer_field], cfg.answer_field)
         used.add(cfg.answer_field)
-    elif cfg.answer_field is not None and trailing is None:
+    elif cfg.answer_field is not None and trailing is None and answer_required:
         raise BadRowError(
             f"missing field {cfg.answer_field!r} (the reference answer; set --data.answer-field '' if the "
             "verifier needs none)"
         )
-    elif cfg.answer_field is not None and not trailing.strip():
+    elif cfg.answer_field is not None and trailing is not None and not trailing.strip():
         raise BadRowError(
             f"field {prompt_key!r} ends with an empty assistant message (the answer, as the row has no "
             f"{cfg.answer_field!r} field)"

@@ -64,10 +64,19 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} must implement step(message) -> StepResult")
 
     @classmethod
-    def rows(cls, split: str, size: int, seed: int) -> list[Row]:
-        """The environment's own dataset, used when the run names no --task / --data (split: 'train' or 'eval').
-        Keyword arguments of the environment (--env.kwargs) that this method also names are passed to it.
-        Environments that need rows from a dataset leave this as is."""
+    def rows(cls, split: str, size: int, seed: int) -> list[Row | dict]:
+        """The environment's own dataset, used when the run names no --task / --data.train: `size` rows of `split`
+        ('train' or 'eval'; --env.num-train / --env.num-eval) made from `seed` (--env.seed). A classmethod (no
+        environment exists yet); keyword arguments of the environment (--env.kwargs) that it also names are passed
+        to it. Returns `Row`s, or dicts read as a data file's rows: 'prompt' (text) or 'messages' (chat), an
+        optional 'answer', other fields into `Row.info`. Checked at launch (meshrl.envs.tasks.env_rows).
+        Environments that need rows from a dataset leave this as is.
+
+            @classmethod
+            def rows(cls, split, size, seed):
+                rng = random.Random(f"{split}-{seed}")
+                return [{"prompt": f"Count to {n}.", "answer": n} for n in (rng.randint(1, 9) for _ in range(size))]
+        """
         raise NotImplementedError(f"{cls.__name__} has no built-in rows; give them with --data.train / --task")
 
     def demonstration(self, row: Row) -> list[str] | None:
