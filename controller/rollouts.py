@@ -228,6 +228,7 @@ class Rollouts:
 
     def __init__(self, ctl: Any, setup: TaskSetup, source: Any, sampling: SamplingParams, cfg: Any, *, dp: int) -> None:
         self.ctl, self.setup, self.source, self.sampling, self.cfg, self.dp = ctl, setup, source, sampling, cfg, dp
+        self.watch = RubricWatch()
         if cfg is not None and len(setup.train) < cfg.prompts_per_step:
             print(
                 f"[meshrl] WARNING: the training data has {len(setup.train)} rows, fewer than one step's "
@@ -275,6 +276,7 @@ class Rollouts:
             out.add_round(launched.picks, episodes, rewards, cfg, cfg.prompts_per_step)
             everything += episodes
         out.trim(self.dp)  # a short batch must still split evenly over the trainer ranks
+        self.watch.step(everything)
         out.metrics = self.source.stats(everything)  # episodes: turns, tool calls, environment time, finish reasons
         return out
 
@@ -299,15 +301,15 @@ class Rollouts:
                     out.correct = is_correct(s, setup.verifier)
                     out.turn_rewards = [out.reward]
                 for name, why in s.failures.items():
-                    out.reward_failures.append(f"{name}: {why.split(':')[0]}")
+                    out.reward_failures[name] = why
             if into is None:
                 continue
             into.task_rewards.append(out.reward)
             into.correct.append(out.correct)
             if out.error is not None:
                 into.reward_failures[out.finish_reason] += 1
-            for key in out.reward_failures:
-                into.reward_failures[key] += 1
+            for name, why in out.reward_failures.items():
+                into.reward_failures[f"{name}: {why.split(':')[0]}"] += 1
             for name, value in out.reward_parts.items():
                 into.reward_parts.setdefault(name, []).append(value)
 
@@ -349,6 +351,41 @@ class Rollouts:
             stats = self.source.stats(episodes)
             record.update({f"sampled/{name}": v for name, v in stats.items() if name.startswith(("env/", "turns"))})
         return record
+
+
+class RubricWatch:
+    """Says once, loudly, what a step's metrics alone would hide: a reward function that failed on more than half
+    of a step's samples (with its first exception), and one that scored exactly 0 on every sample of a step and
+    has never scored anything else (a function that misreads its arguments scores 0 without failing)."""
+
+    def __init__(self) -> None:
+        self.scored_nonzero: set[str] = set()
+        self.said: set[tuple[str, str]] = set()
+
+    def step(self, episodes: Sequence[Episode]) -> None:
+        names = {name for e in episodes for name in e.outcome.reward_parts} | {
+            name for e in episodes for name in e.outcome.reward_failures
+        }
+        for name in sorted(names):
+            failures = [e.outcome.reward_failures[name] for e in episodes if name in e.outcome.reward_failures]
+            values = [e.outcome.reward_parts.get(name, 0.0) for e in episodes if name not in e.outcome.reward_failures]
+            if any(v != 0.0 for v in values):
+                self.scored_nonzero.add(name)
+            if len(failures) > len(episodes) / 2:
+                self._say(name, "fails", f"reward function {name!r} failed on {len(failures)} of {len(episodes)} "
+                          f"samples this step (scored 0 for them); the first: {failures[0]}")  # fmt: skip
+            elif values and name not in self.scored_nonzero:
+                self._say(name, "zero", f"reward function {name!r} scored exactly 0 on all {len(values)} samples "
+                          "this step and has never scored anything else. If the policy can reach it, check that it "
+                          "reads its arguments as fn(completion: str, row: dict) -> float (the answer is "
+                          "row['answer'])")  # fmt: skip
+
+    def _say(self, name: str, what: str, message: str) -> None:
+        if (name, what) in self.said:
+            return
+        self.said.add((name, what))
+        rule = "!" * 100
+        print(f"{rule}\n[meshrl] WARNING: {message} (said once)\n{rule}", file=sys.stderr, flush=True)
 
 
 def _failed(episode: Episode) -> bool:

@@ -454,3 +454,26 @@ def test_data_smaller_than_one_step_is_said(capsys):
     Rollouts(_StandInCtl(), setup, SingleTurnRollout(setup, 8), sampling, GRPOConfig(prompts_per_step=16), dp=2)
     assert "the training data has 8 rows, fewer than one step's --grpo.prompts-per-step 16" in capsys.readouterr().err
 
+
+
+def test_rubric_watch_says_once_what_the_metrics_hide(capsys):
+    """Issue 31, items 1 and 17: a function that scores 0 on every sample and never anything else, and one that
+    fails on more than half a step's samples, are said once each on stderr (with the first exception)."""
+    from meshrl.controller.rollouts import RubricWatch
+    from meshrl.rollout import Row, SingleTurnEnv
+
+    def episode(parts, failures=None):
+        e = SingleTurnEnv.episode_of(Row("p"), Completion([1], [2], [-0.1], "stop", 0), "x")
+        e.outcome.reward_parts, e.outcome.reward_failures = parts, failures or {}
+        return e
+
+    watch = RubricWatch()
+    step = [episode({"zero": 0.0, "ok": 1.0, "bad": 0.0}, {"bad": "error: TypeError: boom"}) for _ in range(3)]
+    step.append(episode({"zero": 0.0, "ok": 0.0, "bad": 1.0}))
+    watch.step(step)
+    err = capsys.readouterr().err
+    assert "'zero' scored exactly 0 on all 4 samples" in err and "row['answer']" in err
+    assert "'bad' failed on 3 of 4 samples this step (scored 0 for them); the first: error: TypeError: boom" in err
+    assert "'ok'" not in err
+    watch.step(step)  # said once
+    assert capsys.readouterr().err == ""

@@ -236,9 +236,7 @@ def test_weighted_sum_and_cfg_binding():
 
 
 def test_user_functions_with_a_cfg_keyword_get_the_run_config():
-    rs = Rubric(
-        {"user_rewards:long_enough": 1.0, "user_rewards:contains_answer": 1.0}, ScoringConfig(length_target=3)
-    )
+    rs = Rubric({"user_rewards:long_enough": 1.0, "user_rewards:contains_answer": 1.0}, ScoringConfig(length_target=3))
     try:
         assert [s.parts for s in rs.score(["42", "4242"], [row("42")] * 2)] == [
             {"user_rewards:long_enough": 0.0, "user_rewards:contains_answer": 1.0},
@@ -449,3 +447,35 @@ def test_group_reward_failures_score_the_whole_group_zero():
     assert all(s.failures["wrong_length"].startswith("error: ValueError") for s in out)
     assert all(s.failures["hangs"] == "timeout" for s in out)
     assert [s.reward for s in out] == [1.0, 0.0]  # exact_match still scored
+
+
+def test_a_reward_written_for_the_earlier_contract_is_refused_at_launch():
+    """fn(completion, answer: str) given the row dict scored 0 on every sample, silently (issue 31, item 1): refused
+    when the rubric is built, naming the function and the contract."""
+    with pytest.raises(
+        ConfigError, match=r"user_rewards:old_contract.*second parameter is `answer: str`.*row\['answer'\]"
+    ):
+        Rubric({"user_rewards:old_contract": 1.0})
+
+    def positional_answer(completion, answer):
+        return 0.0
+
+    def one_argument(completion):
+        return 0.0
+
+    with pytest.raises(ConfigError, match="second parameter is `answer`"):
+        Rubric({"mine": 1.0}, fns={"mine": positional_answer})
+    with pytest.raises(
+        ConfigError, match=r"takes \(completion\); a reward function is fn\(completion: str, row: dict\)"
+    ):
+        Rubric({"mine": 1.0}, fns={"mine": one_argument})
+    Rubric({"ok": 1.0, "kw": 1.0}, fns={"ok": lambda c, row: 0.0, "kw": lambda *a, **k: 0.0})  # both follow it
+
+
+def test_score_refuses_token_ids_or_answer_strings():
+    """Controller.score(token_ids, answer_strings) scored 0 with an AttributeError per sample: refused instead."""
+    rubric = Rubric({"exact_match": 1.0})
+    with pytest.raises(TypeError, match="completions must be a list of str .*decode token ids.*got list"):
+        rubric.score([[1, 2, 3]], [{"answer": "x"}])
+    with pytest.raises(TypeError, match="rows must be a list of row dicts.*got str"):
+        rubric.score(["x"], ["x"])

@@ -48,3 +48,9 @@ def shortest_wins(completions: list[str], row: dict) -> list[float]:
     """A group reward: 1 for the shortest completion(s) of the group, 0 for the others."""
     shortest = min(len(c) for c in completions)
     return [float(len(c) == shortest) for c in completions]
+
+
+def old_contract(completion: str, answer: str) -> float:
+    """Written for the earlier contract (the answer string, not the row dict)."""
+    return float(completion.strip() == answer)
+

@@ -183,6 +183,55 @@ def resolve_reward(name: str) -> RewardFn:
     return obj
 
 
+CONTRACT = (
+    "fn(completion: str, row: dict) -> float, sync or async (a @group_reward: fn(completions: list[str], row: dict) "
+    "-> list[float]), where `row` is the row's dict: row['answer'], row['prompt'] and the row's other fields"
+)
+
+
+def check_signature(name: str, fn: Callable) -> None:
+    """Refuse at launch a reward function that cannot follow the contract: one that does not take two positional
+    arguments, or whose second is named `answer` or annotated `str` (the earlier contract, fn(completion,
+    answer: str)): given the row dict it would compare text with a dict and score 0 on every sample, silently."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # C callables without a signature: nothing to check
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in positional if p.default is p.empty]
+    where = f"reward function {name!r} ({getattr(fn, '__qualname__', fn)})"
+    if len(required) > 2 or (len(positional) < 2 and not takes_varargs):
+        raise ConfigError(f"{where} takes ({', '.join(p.name for p in positional)}); a reward function is {CONTRACT}")
+    if len(positional) >= 2:
+        second = positional[1]
+        hint = second.annotation  # a string under `from __future__ import annotations`, else the type itself
+        annotation = "" if hint is second.empty else hint if isinstance(hint, str) else getattr(hint, "__name__", "")
+        if second.name == "answer" or annotation == "str":
+            raise ConfigError(
+                f"{where}: its second parameter is `{second.name}{': ' + annotation if annotation else ''}`, but "
+                f"reward functions now receive the whole row, not the answer string: a reward function is {CONTRACT}. "
+                "Change it to fn(completion, row) and read row['answer']"
+            )
+
+
+def check_score_inputs(completions: Any, rows: Any, group_size: int = 1) -> None:
+    """`score()`'s arguments as the contract has them: completion texts, one row dict per group. Token ids or
+    answer strings in their place would score 0 on every sample; refused instead, saying what was given."""
+    if not isinstance(completions, list | tuple) or not all(isinstance(c, str) for c in completions):
+        got = type(next((c for c in completions if not isinstance(c, str)), completions)).__name__
+        raise TypeError(
+            f"score(completions, rows): completions must be a list of str (the completion texts; decode token ids "
+            f"first, e.g. with the tokenizer), got {got}"
+        )
+    if not isinstance(rows, list | tuple) or not all(isinstance(r, Mapping) for r in rows):
+        got = type(next((r for r in rows if not isinstance(r, Mapping)), rows)).__name__
+        raise TypeError(
+            f"score(completions, rows): rows must be a list of row dicts ({{'answer': ..., 'prompt': ..., ...}}: "
+            f"Row.verifier_view(); one per completion, or per group of {group_size} in Controller.score), got {got}"
+        )
+
+
 def _bind_cfg(fn: RewardFn, cfg: ScoringConfig) -> RewardFn:
     """Give `cfg` to a function that declares a keyword-only `cfg` parameter (the pattern built-ins)."""
     try:
@@ -339,6 +388,7 @@ class Rubric:
             fn = fns[name] if name in fns else resolve_reward(name)
             if not callable(fn):
                 raise ConfigError(f"reward {name!r} is not callable (an object of type {type(fn).__name__})")
+            check_signature(name, getattr(fn, "func", fn))
             if fn is math_verify:  # a missing package must fail the launch, not give every sample 0
                 try:
                     _math_verify_api()
@@ -368,6 +418,7 @@ class Rubric:
     def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
         """One ScoredSample per completion; `rows[i]` is completion i's row (its verifier view). Consecutive runs
         of `group_size` completions share a row (a GRPO group): group rewards (`group_reward`) see each run whole."""
+        check_score_inputs(completions, rows, group_size)
         if len(completions) != len(rows):
             raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
         if group_size < 1 or len(completions) % group_size:

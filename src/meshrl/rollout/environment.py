@@ -106,7 +106,7 @@ class EpisodeOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)  # the rubric's functions' values (in `reward`)
-    reward_failures: list[str] = field(default_factory=list)  # "name: timeout" / "name: error": scored 0 for them
+    reward_failures: dict[str, str] = field(default_factory=dict)  # rubric function -> "timeout" / "error: ...": 0
 
 
 async def maybe_await(value: Any) -> Any:

@@ -175,7 +175,7 @@ class Episode:
             "metrics": {k: float(v) for k, v in o.metrics.items()},
             "error": o.error,
             "reward_parts": {k: float(v) for k, v in o.reward_parts.items()},
-            "reward_failures": list(o.reward_failures),
+            "reward_failures": dict(o.reward_failures),
             "env_time_s": self.env_time_s,
         }
 
@@ -188,6 +188,6 @@ class Episode:
         )  # fmt: skip
         outcome = EpisodeOutcome(
             row, list(s["messages"]), list(s["turn_rewards"]), s["reward"], s["correct"], s["num_turns"],
-            s["finish_reason"], dict(s["metrics"]), s["error"], dict(s["reward_parts"]), list(s["reward_failures"]),
+            s["finish_reason"], dict(s["metrics"]), s["error"], dict(s["reward_parts"]), dict(s["reward_failures"]),
         )  # fmt: skip
         return cls(tokens, outcome, s["env_time_s"])
