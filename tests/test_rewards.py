@@ -479,3 +479,22 @@ def test_score_refuses_token_ids_or_answer_strings():
         rubric.score([[1, 2, 3]], [{"answer": "x"}])
     with pytest.raises(TypeError, match="rows must be a list of row dicts.*got str"):
         rubric.score(["x"], ["x"])
+
+
+def test_eval_says_its_verifier_and_warns_when_no_answer_is_math(capsys):
+    """Data rows without --reward are judged by math_verify: letter answers all scored 0.000, silently (issue 31,
+    item 8). The verifier is named at launch, and answers that do not read as math are warned about."""
+    from meshrl.rewards import math_parseable
+    from meshrl.tasks.base import Row, Task
+    from meshrl.tasks.setup import _say_the_verifier
+
+    assert math_parseable(["42", "\\frac12", "x + 1"]) == 3 and math_parseable(["B", "C", None]) == 0
+    letters = Task("data", [], [Row("q", answer=a) for a in "BCAD"], reward="math_verify=1.0", verifier="")
+    _say_the_verifier(letters, "math_verify", None)
+    said = capsys.readouterr()
+    assert "verifier: math_verify (the task's default" in said.out
+    assert "none of the 4 held-out answers checked (e.g. 'B', 'C', 'A') reads as math" in said.err
+    numbers = Task("data", [], [Row("q", answer="12")], reward="math_verify=1.0", verifier="")
+    _say_the_verifier(numbers, "math_verify", "math_verify=1")
+    said = capsys.readouterr()
+    assert said.out == "[meshrl] verifier: math_verify\n" and said.err == ""

@@ -694,6 +694,21 @@ def _parse_gold(answer: str) -> list[Any]:
     return parse(gold, extraction, parsing_timeout=None)
 
 
+def math_parseable(answers: list[str | None]) -> int:
+    """How many of `answers` read as math: a number or a LaTeX expression that math-verify parses. (math-verify
+    parses 'B' or 'Paris' too, as symbols, but letter answers scored 0 on every completion where this was tried.)"""
+    count = 0
+    for answer in answers:
+        text = "" if answer is None else str(answer)
+        if not any(ch.isdigit() for ch in text) and "\\" not in text:
+            continue
+        try:
+            count += bool(_parse_gold(text))
+        except Exception:  # noqa: BLE001 - an answer it cannot parse is what is being counted
+            pass
+    return count
+
+
 @register_reward("math_verify")
 def math_verify(completion: str, row: dict) -> float:
     """1.0 if the completion's final answer is mathematically equal to the row's answer (math-verify: sympy), else

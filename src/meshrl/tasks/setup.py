@@ -142,6 +142,7 @@ class TaskSetup:
             weights.setdefault(verifier, 0.0)  # measured on every sample (accuracy), weighs nothing unless named
             rewards = Rubric(weights, cfg.scoring, fns=fns)
             budget = gen.max_model_len
+            _say_the_verifier(task, verifier, given)
         return cls.build(
             task,
             renderer,
@@ -226,3 +227,25 @@ def new_model_tokenizer(cfg: GRPORunConfig | SFTRunConfig, task: Task | None) ->
 
     texts = [text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer] + list(task.corpus)
     return train_bpe_tokenizer(texts, vocab_size=cfg.model.bpe_vocab_size)
+
+
+def _say_the_verifier(task: Task, verifier: str, given: str | None) -> None:
+    """Which verifier judges correctness, said at launch; and a warning when it is math-verify and no held-out
+    answer reads as math (letter or word answers: every completion would score 0, silently)."""
+    default = "" if given else " (the task's default; --reward / --eval.verifier choose another)"
+    print(f"[meshrl] verifier: {verifier}{default}", flush=True)
+    if verifier != "math_verify":
+        return
+    from meshrl.rewards import math_parseable
+
+    answers = [row.answer for row in list(task.eval)[:200]]
+    if answers and not math_parseable(answers):
+        examples = ", ".join(repr(a) for a in answers[:3])
+        print(
+            f"[meshrl] WARNING: none of the {len(answers)} held-out answers checked (e.g. {examples}) reads as math, "
+            "so math_verify will score every completion 0; use --reward exact (exact string match), exact_match, "
+            "regex, or your own function (--reward my_pkg.my_mod:fn)",
+            file=sys.stderr,
+            flush=True,
+        )
+
