@@ -26,8 +26,9 @@ import shutil
 import sys
 from typing import Any
 
-from meshrl.config import ConfigError, PlacementConfig
 from meshrl.controller.futures import ActorDiedError
+from meshrl.errors import ConfigError
+from meshrl.placement import PlacementConfig
 
 ROLES = ("trainer", "generator", "reward", "reference")
 JOB_KINDS = ("process", "slurm", "k8s")
