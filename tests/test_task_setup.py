@@ -4,6 +4,7 @@ reward specs ('task' meaning the task's verifier), and the checks that refuse a 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -123,3 +124,70 @@ def test_logprob_gap_between_trainer_and_generator_is_flagged(capsys):
     warn_on_logprob_gap({"step": 4, "logprob_diff_mean": 2.9, "logprob_diff_max": 7.5})
     err = capsys.readouterr().err
     assert "WARNING" in err and "2.900 nats" in err and "dropout" in err and "step 4" in err
+
+
+# ---- prompts over the budget: the advice can be followed (issue 31, item 5) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def context_128(chat_model, tmp_path_factory):
+    """The chat model with a 128-position context (max_position_embeddings in config.json)."""
+    path = tmp_path_factory.mktemp("ctx") / "qwen3-128"
+    shutil.copytree(chat_model, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 128
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _prepare(model_dir, rows, *flags):
+    from controller.cli import parse_run_config
+    from meshrl.config import GRPORunConfig
+    from meshrl.tasks import build_task
+    from meshrl.tasks.setup import TaskSetup
+
+    argv = ["--model.path", model_dir, "--model.backend", "hf", "--reward", "exact", *flags]
+    cfg = parse_run_config(GRPORunConfig, argv=argv)
+    return TaskSetup.prepare(cfg, build_task(cfg, train_rows=rows, eval_rows=rows[:2]), model_dir)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_every_prompt_too_long_when_the_context_is_full_says_raising_cannot_help(context_128):
+    rows = [{"prompt": "count the words of this sentence " * (5 + i % 2), "answer": "1"} for i in range(64)]
+    flags = ("--generator.max-model-len", "128", "--generator.max-tokens", "16")
+    with pytest.raises(ConfigError) as e:
+        _prepare(context_128, rows, *flags)
+    message = _words(str(e.value))
+    assert "every one of the 64 train prompts is longer than the 112-token prompt budget" in message, message
+    assert "--generator.max-model-len 128 - --generator.max-tokens 16" in message, message
+    assert re.search(r"prompts are \d+ to \d+ tokens", message), message
+    assert "model's context is 128 positions (max_position_embeddings=128 in" in message, message
+    assert "raising --generator.max-model-len cannot help" in message, message
+    assert "a model with a longer context" in message and "shorter prompts" in message, message
+    shortest = int(re.search(r"prompts are (\d+) to", message).group(1))
+    assert shortest < 128 and f"lower --generator.max-tokens to {128 - shortest} or less" in message, message
+
+
+def test_every_prompt_too_long_below_the_context_says_how_far_to_raise(chat_model):
+    rows = [{"prompt": "count the words of this sentence " * 6, "answer": "1"}] * 4
+    with pytest.raises(ConfigError) as e:
+        _prepare(chat_model, rows, "--generator.max-model-len", "48", "--generator.max-tokens", "16")
+    message = _words(str(e.value))
+    n = int(re.search(r"prompts are (\d+) to", message).group(1))
+    assert f"raise --generator.max-model-len to at least {n + 16}" in message, message
+    assert "model's context is 256 positions" in message and "cannot help" not in message, message
+
+
+def test_many_dropped_prompts_warn_with_lengths_and_the_context(context_128, capsys):
+    short = [{"prompt": "2 + 2?", "answer": "4"}] * 8
+    long = [{"prompt": "count the words of this sentence " * 12, "answer": "1"}] * 8
+    setup = _prepare(context_128, short + long, "--generator.max-model-len", "128", "--generator.max-tokens", "16")
+    assert len(setup.train) == 8 and setup.train.dropped == 8
+    err = _words(capsys.readouterr().err)
+    assert "8 of 16 train prompts (50%) are longer than the 112-token prompt budget" in err, err
+    assert "--generator.max-model-len 128 - --generator.max-tokens 16" in err, err
+    assert re.search(r"prompts are \d+ to \d+ tokens", err) and "model's context is 128 positions" in err, err
+    assert "raising --generator.max-model-len cannot help" in err, err

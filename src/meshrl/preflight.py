@@ -76,18 +76,24 @@ def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
 def model_context(model_cfg: ModelConfig) -> tuple[int, str] | None:
     """(the model's context length in positions, where that is written) for `--model.path` or, without one, the new
     model of `--model.flavor`; None when the config gives no context length (nothing to check against)."""
-    from meshrl.models.hf_config import context_length, read_config
-
     if model_cfg.path is not None:
-        found = context_length(read_config(model_cfg.path))
-        if found is None:
-            return None
-        return found[1], f"{found[0]}={found[1]} in {Path(model_cfg.path) / 'config.json'}"
+        return model_dir_context(model_cfg.path)
     from meshrl.models.qwen3 import TINY_HF_CONFIG, hf_config_dict
 
     hf = TINY_HF_CONFIG if model_cfg.flavor == "tiny" else hf_config_dict(model_cfg.flavor, vocab_size=1)
     n = hf["max_position_embeddings"]
     return n, f"max_position_embeddings={n} of the new --model.flavor {model_cfg.flavor} model"
+
+
+def model_dir_context(model_dir: str | Path) -> tuple[int, str] | None:
+    """(the context length in positions, where it is written) of the checkpoint in `model_dir`, from its
+    config.json; None when no field gives it."""
+    from meshrl.models.hf_config import context_length, read_config
+
+    found = context_length(read_config(model_dir))
+    if found is None:
+        return None
+    return found[1], f"{found[0]}={found[1]} in {Path(model_dir) / 'config.json'}"
 
 
 def check_context(cfg: AnyRunConfig, *, generator: bool = True) -> None:

@@ -24,6 +24,76 @@ if TYPE_CHECKING:
     from meshrl.config import GRPORunConfig, SFTRunConfig
 
 
+@dataclass(frozen=True)
+class PromptBudget:
+    """How a split's prompt budget is made — the sequence limit less the tokens kept for the answer, under the model's
+    context — so that a message about prompts over it says what can change, and when raising the limit cannot help.
+
+        PromptBudget.of(cfg, model_dir, limit=cfg.generator.max_model_len, response=cfg.generator.max_tokens)
+    """
+
+    limit: int
+    """The longest sequence: --generator.max-model-len (with an environment, --env.max-tokens when set)."""
+    response: int
+    """Tokens kept for the model's answer: --generator.max-tokens (--eval.max-tokens for held-out prompts)."""
+    limit_flag: str = "--generator.max-model-len"
+    response_flag: str = "--generator.max-tokens"
+    context: tuple[int, str] | None = None
+    """(the model's context in positions, where it is written: meshrl.preflight.model_dir_context); None: unknown."""
+
+    @property
+    def tokens(self) -> int:
+        return self.limit - self.response
+
+    @classmethod
+    def of(cls, cfg: Any, model_dir: str | Path, *, limit: int, response: int, held_out: bool = False) -> PromptBudget:
+        """The budget of a run config's train (or `held_out`) prompts, the flags named as the config sets them."""
+        from meshrl.preflight import model_dir_context
+
+        env, eval_cfg = getattr(cfg, "env", None), getattr(cfg, "eval", None)
+        by_env = env is not None and env.name is not None and env.max_tokens is not None
+        by_eval = held_out and eval_cfg is not None and eval_cfg.max_tokens is not None
+        return cls(
+            limit,
+            response,
+            "--env.max-tokens" if by_env else "--generator.max-model-len",
+            "--eval.max-tokens" if by_eval else "--generator.max-tokens",
+            model_dir_context(model_dir),
+        )
+
+    def made(self) -> str:
+        return f"{self.limit_flag} {self.limit} - {self.response_flag} {self.response}"
+
+    def to_fit(self, length: int) -> str:
+        """What makes a prompt of `length` tokens fit: raising the limit while the model's context allows it; past
+        that, a smaller answer budget, a model with a longer context, or shorter prompts."""
+        need = length + self.response
+        if self.context is None:
+            return (
+                f"raise {self.limit_flag} to at least {need} (config.json gives no context length: make sure the "
+                f"model was trained that long), or lower {self.response_flag}"
+            )
+        context, where = self.context
+        if need <= context:
+            return (
+                f"raise {self.limit_flag} to at least {need} (the model's context is {context} positions, {where}), "
+                f"or lower {self.response_flag}"
+            )
+        full = self.limit >= context
+        if full:
+            why = f"{self.limit_flag} {self.limit} already uses all of it, so raising {self.limit_flag} cannot help"
+        else:
+            why = (
+                f"{self.limit_flag} can rise to {context}, leaving {context - self.response} prompt tokens, so "
+                f"raising {self.limit_flag} alone cannot help"
+            )
+        why = f"the model's context is {context} positions ({where}) and {why}"
+        also = "" if full else f" (with {self.limit_flag} {context})"
+        ways = [f"lower {self.response_flag} to {context - length} or less{also}"] if length < context else []
+        ways += ["use a model with a longer context", "use shorter prompts"]
+        return f"{why}: {', '.join(ways[:-1])} or {ways[-1]}"
+
+
 @dataclass
 class PromptSet:
     """One split of a task, rendered once: prompt ids and verifier views per row. Prompts over the token budget
@@ -34,26 +104,34 @@ class PromptSet:
     views: list[dict[str, Any]]
     dropped: int = 0
     budget: int = 0
+    shortest: int = 0  # prompt lengths in tokens, over every row rendered (the dropped included)
+    longest: int = 0
+    made: PromptBudget | None = None  # how `budget` is made, when known
 
     @classmethod
-    def render(cls, rows: Sequence[Row], renderer: Renderer, budget: int, what: str) -> PromptSet:
-        kept, ids, dropped = [], [], 0
+    def render(cls, rows: Sequence[Row], renderer: Renderer, budget: int | PromptBudget, what: str) -> PromptSet:
+        made = budget if isinstance(budget, PromptBudget) else None
+        budget = made.tokens if made is not None else budget
+        kept, ids, dropped, lengths = [], [], 0, []
         for i, row in enumerate(rows):
             try:
                 prompt = renderer.prompt_ids(row)
             except Exception as e:  # noqa: BLE001 - a template that cannot render a row: name the row
                 raise ValueError(f"{what} row {i + 1}: cannot render its prompt: {e}") from e
+            lengths.append(len(prompt))
             if len(prompt) > budget:
                 dropped += 1
                 continue
             kept.append(row)
             ids.append(prompt)
+        shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
         if not kept:
             raise ConfigError(
-                f"every one of the {len(rows)} {what} prompts is longer than the {budget}-token prompt budget "
-                "(generator.max_model_len - generator.max_tokens); raise --generator.max-model-len"
+                f"every one of the {len(rows)} {what} prompts is longer than the {budget}-token prompt budget"
+                f"{f' ({made.made()})' if made else ''}: prompts are {shortest} to {longest} tokens. To fit the "
+                f"shortest, {_to_fit(made, shortest, budget)}"
             )
-        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget)
+        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -61,6 +139,25 @@ class PromptSet:
     def describe(self, what: str) -> str:
         note = f", {self.dropped} dropped (prompt over {self.budget} tokens)" if self.dropped else ""
         return f"{what}: {len(self)} prompts{note}"
+
+    def dropped_warning(self, what: str) -> str | None:
+        """A warning when 10 % or more of the split was dropped (a silent loss of this size would change what the
+        run trains on), with the lengths, how the budget is made and what keeps them; None otherwise."""
+        total = len(self) + self.dropped
+        if self.dropped < 0.1 * total:
+            return None
+        made = f" ({self.made.made()})" if self.made else ""
+        return (
+            f"{self.dropped} of {total} {what} prompts ({self.dropped / total:.0%}) are longer than the "
+            f"{self.budget}-token prompt budget{made} and were dropped: prompts are {self.shortest} to {self.longest} "
+            f"tokens. To keep them all, {_to_fit(self.made, self.longest, self.budget)}"
+        )
+
+
+def _to_fit(made: PromptBudget | None, length: int, budget: int) -> str:
+    if made is not None:
+        return made.to_fit(length)
+    return f"raise --generator.max-model-len by {length - budget} or more, or lower --generator.max-tokens as much"
 
 
 def reward_weights(
@@ -148,27 +245,29 @@ class TaskSetup:
             renderer,
             rewards,
             verifier,
-            train_budget=budget - gen.max_tokens,
-            eval_budget=budget - (eval_max_tokens or gen.max_tokens),
+            train_budget=PromptBudget.of(cfg, model_dir, limit=budget, response=gen.max_tokens),
+            eval_budget=PromptBudget.of(
+                cfg, model_dir, limit=budget, response=eval_max_tokens or gen.max_tokens, held_out=True
+            ),
         )
 
     @classmethod
     def build(
-        cls, task: Task, renderer: Renderer, rewards: Any, verifier: str, *, train_budget: int, eval_budget: int
+        cls,
+        task: Task,
+        renderer: Renderer,
+        rewards: Any,
+        verifier: str,
+        *,
+        train_budget: int | PromptBudget,
+        eval_budget: int | PromptBudget,
     ) -> TaskSetup:
         """From parts made by hand (`prepare` makes them from a run config): renders both splits."""
         train = PromptSet.render(task.train, renderer, train_budget, "train")
         held_out = PromptSet.render(task.eval, renderer, eval_budget, "eval")
         for split, what in ((train, "train"), (held_out, "eval")):
-            total = len(split) + split.dropped
-            if split.dropped >= 0.1 * total:  # a silent loss of this size would change what the run trains on
-                print(
-                    f"[meshrl] WARNING: {split.dropped} of {total} {what} prompts ({split.dropped / total:.0%}) are "
-                    f"longer than the {split.budget}-token prompt budget and were dropped; raise "
-                    "--generator.max-model-len (or lower --generator.max-tokens) to keep them",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if warning := split.dropped_warning(what):
+                print(f"[meshrl] WARNING: {warning}", file=sys.stderr, flush=True)
         notes = [train.describe("train"), held_out.describe("eval")]
         notes += [f"skipped bad rows, {reason}: {n}" for reason, n in task.skipped.items()]
         return cls(task, renderer, train, held_out, rewards, verifier, notes)
@@ -248,4 +347,3 @@ def _say_the_verifier(task: Task, verifier: str, given: str | None) -> None:
             file=sys.stderr,
             flush=True,
         )
-
