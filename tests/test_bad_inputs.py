@@ -339,6 +339,66 @@ def test_sibling_values_name_their_flag(make, message):
         make()
 
 
+# ---- chat roles (issue 31, item 14) -------------------------------------------------------------------------------
+
+USR = {"messages": [{"role": "usr", "content": "What is 2 + 2?"}], "answer": "4"}
+IPYTHON = {"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "ipython", "content": "4"}], "answer": "4"}
+# A template that knows one role past the standard four (as Llama 3's knows 'ipython'), in the ways templates test it.
+IPYTHON_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'ipython' %}<|im_start|>tool\n"
+    "{% elif message.role in ['user', 'system'] %}<|im_start|>{{ message.role }}\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _grpo_task(*argv: str):
+    from controller.cli import parse_run_config
+    from meshrl.tasks import build_task
+
+    return build_task(parse_run_config(GRPORunConfig, argv=list(argv)))
+
+
+def test_an_unknown_chat_role_in_prompt_rows_names_file_row_and_role(tmp_path):
+    path = _lines(tmp_path / "p.jsonl", _row(GOOD_PROMPTS[0]), _row(USR))
+    with pytest.raises(BadRowError) as e:
+        _grpo_task("--data.train", path, "--data.eval", path)
+    message = str(e.value)
+    assert message.startswith(f"{path}, row 2: a message's role 'usr' is not a chat role the model's template knows")
+    assert "assistant, system, tool, user" in message and "did you mean 'user'?" in message, message
+    assert "--data.on-bad-row skip" in message, message
+    task = _grpo_task("--data.train", path, "--data.eval", path, "--data.on-bad-row", "skip")
+    assert len(task.train) == 1 and task.skipped == {
+        "train: unknown chat role 'usr'": 1,
+        "eval: unknown chat role 'usr'": 1,
+    }
+
+
+def test_roles_the_model_template_names_are_accepted(tmp_path):
+    from meshrl.data.roles import template_roles
+    from meshrl.models.tiny_hf import create_tiny_chat_model
+
+    assert template_roles(IPYTHON_TEMPLATE) == {"ipython", "user", "system"}
+    model = str(create_tiny_chat_model(tmp_path / "m", arch="qwen3", vocab_size=300, chat_template=IPYTHON_TEMPLATE))
+    path = _lines(tmp_path / "p.jsonl", _row(GOOD_PROMPTS[0]), _row(IPYTHON))
+    task = _grpo_task("--model.path", model, "--data.train", path, "--data.eval", path)
+    assert task.train[1].prompt[1]["role"] == "ipython"
+    with pytest.raises(BadRowError, match="role 'ipython' is not a chat role"):  # no template names it
+        _grpo_task("--data.train", path, "--data.eval", path)
+
+
+def test_an_unknown_chat_role_in_sft_rows_names_file_row_and_role(tmp_path):
+    tok = CharTokenizer("abcdefgh=").to_hf()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"  # the characters it knows
+    bad = {"messages": [{"role": "usr", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    good = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    path = _lines(tmp_path / "d.jsonl", _row(good), _row(bad))
+    with pytest.raises(BadRowError) as e:
+        load_sft_dataset(path, tok, max_seq_len=64)
+    assert str(e.value).startswith(f"{path}, row 2: a message's role 'usr' is not a chat role"), e.value
+    ds = load_sft_dataset(path, tok, max_seq_len=64, on_bad_row="skip")
+    assert len(ds) == 1 and dict(ds.skipped) == {"unknown chat role 'usr'": 1}
+
+
 # ---- through the command line ------------------------------------------------------------------------------------
 
 

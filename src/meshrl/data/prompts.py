@@ -10,6 +10,8 @@ A row is one of two shapes (field names are `DataConfig`'s):
   objects with a string "role" and a string "content"; other keys of a message are kept, except null ones
   (Parquet / datasets fill absent struct keys with null, which chat templates trip over). The prompt field may
   also hold such a list (the TRL "conversational prompt" shape) and is then read the same way.
+- Roles: every message's role is system, user, assistant or tool, or another role the model's chat template names
+  (meshrl.data.roles); any other (`usr`) makes the row bad.
 - Trailing assistant turn: if the LAST message is the assistant's, it is dropped from the prompt (the model is
   to write it) and, when the row has no answer field, its content is the answer — so SFT-style conversation
   files serve as RL prompts as they are. What remains must hold at least one message.
@@ -30,10 +32,11 @@ template: render first, then `drop_long`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshrl.data.roles import CHAT_ROLES, check_roles
 from meshrl.data.rows import BadRowError, Source, iter_rows, source_name
 from meshrl.errors import ConfigError, DataError
 from meshrl.rollout.row import Row
@@ -100,11 +103,14 @@ class PromptRows:
         return len(self.rows)
 
 
-def load_prompt_rows(source: Source, cfg: DataConfig, *, limit: int | None = None) -> PromptRows:
+def load_prompt_rows(
+    source: Source, cfg: DataConfig, *, limit: int | None = None, roles: Collection[str] = CHAT_ROLES
+) -> PromptRows:
     """Every row of `source` (a path in any form of meshrl.data.rows, or an in-memory list of dicts) as a task
     `Row`. `limit`: stop after this many usable rows (e.g. `cfg.max_eval_rows` for held-out rows; the rest of
-    the file is not read). Raises BadRowError on a bad row (on_bad_row="error"), ValueError if no row is usable,
-    FileNotFoundError / ValueError for a source that cannot be read."""
+    the file is not read). `roles`: the chat roles messages may have (meshrl.data.roles.accepted_roles). Raises
+    BadRowError on a bad row (on_bad_row="error"), ValueError if no row is usable, FileNotFoundError / ValueError for
+    a source that cannot be read."""
     if source is None:
         raise ValueError("no prompt rows source given (a file, a datasets directory, or a list of dicts)")
     if limit is not None and limit < 1:
@@ -114,7 +120,7 @@ def load_prompt_rows(source: Source, cfg: DataConfig, *, limit: int | None = Non
     skipped: Counter = Counter()
     for row_number, raw in iter_rows(source):
         try:
-            rows.append(to_row(raw, cfg))
+            rows.append(to_row(raw, cfg, roles=roles))
         except BadRowError as e:
             if cfg.on_bad_row == "error":
                 raise BadRowError(f"{name}, row {row_number}: {e} ({SKIP_HINT})") from None
@@ -141,10 +147,10 @@ def as_row(value: Row | Mapping[str, Any]) -> Row:
     return to_row(value, PYTHON_ROWS, answer_required=False)
 
 
-def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True) -> Row:
+def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True, roles: Collection[str] = CHAT_ROLES) -> Row:
     """One raw row -> `Row`, or BadRowError saying what is wrong with it (the reason only: no file / row number,
     and nothing row-specific, so that skipped rows count by reason). `answer_required` False: a row without the
-    answer field (nor a trailing assistant turn) has answer None."""
+    answer field (nor a trailing assistant turn) has answer None. `roles`: the chat roles messages may have."""
     if isinstance(raw, BadRowError):
         raise raw
     if not isinstance(raw, Mapping):
@@ -158,7 +164,7 @@ def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True) -> Row:
     value = raw[prompt_key]
     trailing: str | None = None
     if prompt_key == cfg.messages_field or isinstance(value, list | tuple):
-        prompt, trailing = _messages(value, prompt_key)
+        prompt, trailing = _messages(value, prompt_key, roles)
     elif not isinstance(value, str):
         raise BadRowError(f"field {prompt_key!r} is {type(value).__name__}, expected str or a list of messages")
     elif not value.strip():
@@ -195,7 +201,7 @@ def _null(raw: Mapping[str, Any], key: str) -> bool:
     return key in raw and raw[key] is None
 
 
-def _messages(value: Any, key: str) -> tuple[list[dict[str, Any]], str | None]:
+def _messages(value: Any, key: str, roles: Collection[str]) -> tuple[list[dict[str, Any]], str | None]:
     """(prompt messages, content of a dropped trailing assistant message or None)."""
     shape = f"field {key!r} must be a non-empty list of {{role, content}} messages"
     if not isinstance(value, list | tuple) or not value:
@@ -209,6 +215,7 @@ def _messages(value: Any, key: str) -> tuple[list[dict[str, Any]], str | None]:
                 got = "missing" if m.get(part) is None else type(m[part]).__name__
                 raise BadRowError(f"{shape}; a message's {part!r} is {got}, expected str")
         messages.append({k: v for k, v in m.items() if v is not None})
+    check_roles(messages, roles)
     trailing = None
     if messages[-1]["role"] == "assistant":
         trailing = messages.pop()["content"]

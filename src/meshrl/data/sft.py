@@ -6,18 +6,20 @@
 
 tokenised into (prompt ids, response ids + EOS) with the loss on the response only. For `messages` the
 tokenizer's chat template renders everything before the last assistant turn as the prompt and that turn as
-the response. Bad rows are rejected at load (file, row number, reason) or skipped and counted — the user
-chooses — so a run never dies half-way through an epoch on a bad row.
+the response (every message's role one the template knows: meshrl.data.roles). Bad rows are rejected at load
+(file, row number, reason) or skipped and counted — the user chooses — so a run never dies half-way through an
+epoch on a bad row.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshrl.data.roles import CHAT_ROLES, accepted_roles, check_roles
 from meshrl.data.rows import BadRowError, iter_rows, source_name
 from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
 from meshrl.errors import ConfigError, DataError
@@ -72,8 +74,17 @@ def _check_response(text: Any) -> None:
         raise BadRowError("empty response")
 
 
-def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str, messages_field: str) -> SFTExample:
-    """One row -> SFTExample, or BadRowError saying what is wrong with it. `tokenizer` is a transformers one."""
+def tokenize_row(
+    row: Any,
+    tokenizer,
+    *,
+    prompt_field: str,
+    response_field: str,
+    messages_field: str,
+    roles: Collection[str] | None = None,
+) -> SFTExample:
+    """One row -> SFTExample, or BadRowError saying what is wrong with it. `tokenizer` is a transformers one; `roles`:
+    the chat roles messages may have (default: those the tokenizer's chat template knows, meshrl.data.roles)."""
     if isinstance(row, BadRowError):
         raise row
     if not isinstance(row, dict):
@@ -86,6 +97,7 @@ def tokenize_row(row: Any, tokenizer, *, prompt_field: str, response_field: str,
             raise BadRowError("the last message must be the assistant's (it is the response to train on)")
         if getattr(tokenizer, "chat_template", None) is None:
             raise BadRowError("chat `messages` rows need a tokenizer with a chat template")
+        check_roles(messages, accepted_roles(template=tokenizer.chat_template) if roles is None else roles)
         _check_response(messages[-1].get("content"))
 
         prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
@@ -119,10 +131,17 @@ def load_sft_dataset(
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'error' or 'skip'")
     name = source_name(source)
     examples, skipped = [], Counter()
+    template = getattr(tokenizer, "chat_template", None)
+    roles = accepted_roles(template=template) if isinstance(template, str) else CHAT_ROLES
     for row_number, row in iter_rows(source):
         try:
             ex = tokenize_row(
-                row, tokenizer, prompt_field=prompt_field, response_field=response_field, messages_field=messages_field
+                row,
+                tokenizer,
+                prompt_field=prompt_field,
+                response_field=response_field,
+                messages_field=messages_field,
+                roles=roles,
             )
             if len(ex) > max_seq_len:
                 raise BadRowError(

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from meshrl.errors import ConfigError
@@ -48,20 +48,32 @@ def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: 
 
         return build_reasoning_gym_task(name.split(":", 1)[1], cfg.reasoning_gym)
     if name == "data":
-        return build_data_task(cfg.data, train_rows=train_rows, eval_rows=eval_rows)
+        from meshrl.data.roles import accepted_roles
+
+        roles = accepted_roles(cfg.model.path)  # the chat roles the model's template knows
+        return build_data_task(cfg.data, train_rows=train_rows, eval_rows=eval_rows, roles=roles)
     if ":" in name:
         return _user_task(name)
     raise ConfigError(f"--task {name!r} is unknown; use one of {', '.join(BUILT_IN)}, or package.module:function")
 
 
-def build_data_task(data: Any, *, train_rows: Sequence[Any] | None, eval_rows: Sequence[Any] | None) -> Task:
-    """Prompt rows from files (--data.train / --data.eval) or Python lists, judged by the run's reward spec."""
+def build_data_task(
+    data: Any,
+    *,
+    train_rows: Sequence[Any] | None,
+    eval_rows: Sequence[Any] | None,
+    roles: Collection[str] | None = None,
+) -> Task:
+    """Prompt rows from files (--data.train / --data.eval) or Python lists, judged by the run's reward spec. `roles`:
+    the chat roles their messages may have (default: meshrl.data.roles.CHAT_ROLES)."""
     from meshrl.data.prompts import load_prompt_rows
+    from meshrl.data.roles import CHAT_ROLES
 
     def load(source: Any, what: str, limit: int | None = None) -> tuple[list[Row], dict[str, int]]:
         if not isinstance(source, str) and source and all(isinstance(r, Row) for r in source):
             return list(source)[:limit], {}
-        loaded = load_prompt_rows(source, data, limit=limit)  # stops reading once `limit` rows are usable
+        # Stops reading once `limit` rows are usable.
+        loaded = load_prompt_rows(source, data, limit=limit, roles=CHAT_ROLES if roles is None else roles)
         return loaded.rows, {f"{what}: {k}": v for k, v in loaded.skipped.items()}
 
     train_source = train_rows if train_rows is not None else data.train
