@@ -399,6 +399,21 @@ def test_an_unknown_chat_role_in_sft_rows_names_file_row_and_role(tmp_path):
     assert len(ds) == 1 and dict(ds.skipped) == {"unknown chat role 'usr'": 1}
 
 
+# ---- the model's tokenizer (issue 31, item 14) ---------------------------------------------------------------------
+
+
+def test_a_model_directory_without_tokenizer_files_is_refused_at_launch_naming_it(model_copy):
+    from controller.cli import parse_run_config
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_copy / name).unlink()
+    for cls in (GRPORunConfig, SFTRunConfig, EvalRunConfig):
+        with pytest.raises(ConfigError) as e:
+            check_run_inputs(parse_run_config(cls, argv=["--model.path", str(model_copy)]))
+        assert str(e.value).startswith(f"--model.path {model_copy}: no tokenizer files there"), e.value
+        assert "tokenizer.json" in str(e.value) and "save_pretrained" in str(e.value), e.value
+
+
 # ---- through the command line ------------------------------------------------------------------------------------
 
 

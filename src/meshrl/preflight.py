@@ -3,7 +3,7 @@ thing in each program's main and refused with a ConfigError naming the flag, the
 the command line alone are the configs' own `__post_init__`.)
 
     check_run_inputs(cfg)                          # checkpoint dir, process counts, lengths vs the model's context
-    check_model_dir(path, backend="hf")            # one checkpoint directory, headers only
+    check_model_dir(path, backend="hf")            # one checkpoint directory (tokenizer files too), headers only
     check_tokenizer_fits(renderer, model_dir)      # a tokenizer of another model
 """
 
@@ -53,10 +53,43 @@ def check_model_dir(path: str | Path, backend: str | None = None) -> None:
 
     check_config_fields(path)
     check_weights(path)
+    check_tokenizer_files(path)
     if backend is not None:
         from meshrl.models.hf_config import check_backend_supports
 
         check_backend_supports(str(path), backend)
+
+
+# The files a transformers tokenizer is read from (fast, sentencepiece, byte-level BPE, WordPiece, tiktoken, tekken).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "tekken.json",
+    "tokenizer.tiktoken",
+)
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """The checkpoint directory holds a tokenizer: without one, transformers makes an empty tokenizer of the
+    config's model type, and every prompt renders to no tokens."""
+    path = Path(path)
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        return
+    from meshrl.models.hf_config import read_json
+
+    config = path / "tokenizer_config.json"
+    tok_cfg = read_json(config, "the tokenizer's config") if config.is_file() else {}
+    if isinstance(tok_cfg, dict) and "AutoTokenizer" in str(tok_cfg.get("auto_map", "")):
+        return  # the model's own tokenizer code (trust_remote_code) says where its vocabulary is
+    raise ConfigError(
+        f"--model.path {path}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}), so its prompts would "
+        "render to no tokens; put the model's own tokenizer next to its weights, e.g. "
+        f"AutoTokenizer.from_pretrained(ORIGINAL_CHECKPOINT).save_pretrained('{path}')"
+    )
 
 
 def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
