@@ -11,6 +11,7 @@ from meshrl.config import (
     GRPOConfig,
     GRPORunConfig,
     TrainerConfig,
+    validate_batch_arithmetic,
 )
 from meshrl.configs import PRESETS
 from meshrl.controller.cli import parse_run_config
@@ -24,10 +25,17 @@ def test_presets_are_valid():
         assert isinstance(cfg, GRPORunConfig), name
 
 
-def test_global_batch_not_divisible_by_micro_batch():
-    with pytest.raises(ConfigError, match=r"global_batch_size=30 .* not divisible by trainer.micro_batch_size=4"):
+def test_micro_batch_size_is_a_cap_not_a_divisor():
+    """16 samples a step with the default cap of 32 were refused as 'not divisible' (issue 31, item 6): a cap larger
+    than the batch is the batch, and a batch it does not divide takes one more, smaller call."""
+    cfg = GRPORunConfig(trainer=TrainerConfig(num_procs=2), grpo=GRPOConfig(prompts_per_step=8, group_size=2))
+    assert cfg.trainer.micro_batch_size == 32 and validate_batch_arithmetic(
+        global_batch_size=16, micro_batch_size=32, dp=2, what="x"
+    ) == 1
+    assert validate_batch_arithmetic(global_batch_size=30, micro_batch_size=4, dp=2, what="x") == 8
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 .* does not split evenly over trainer.num_procs=4"):
         GRPORunConfig(
-            trainer=TrainerConfig(num_procs=2, micro_batch_size=4),
+            trainer=TrainerConfig(num_procs=4, micro_batch_size=4),
             grpo=GRPOConfig(prompts_per_step=15, group_size=2),
         )
 
@@ -70,9 +78,9 @@ def test_cli_overrides_and_presets(capsys):
     with pytest.raises(SystemExit, match="unknown preset"):
         parse_run_config(GRPORunConfig, argv=["--preset", "huge"])
     with pytest.raises(SystemExit):
-        parse_run_config(GRPORunConfig, argv=["--trainer.micro-batch-size", "6"])
+        parse_run_config(GRPORunConfig, argv=["--grpo.prompts-per-step", "3", "--grpo.group-size", "3"])
     out = capsys.readouterr()
-    assert "not divisible by trainer.micro_batch_size=6" in " ".join((out.out + out.err).split())
+    assert "does not split evenly over trainer.num_procs=2" in " ".join((out.out + out.err).split())
 
 
 def test_cli_help_lists_every_section():

@@ -205,15 +205,16 @@ def check_task(cfg) -> None:
 
 
 def validate_batch_arithmetic(*, global_batch_size: int, micro_batch_size: int, dp: int, what: str) -> int:
-    """Return the number of micro-batches per optimiser step, or raise saying which numbers disagree."""
-    if global_batch_size % micro_batch_size:
-        divisors = [m for m in range(dp, global_batch_size + 1, dp) if global_batch_size % m == 0]
+    """The most `forward_backward` calls a step of `global_batch_size` sequences takes: `micro_batch_size` is a cap
+    on sequences per call (a batch smaller than it is one call; meshrl.batching bins sequences under it and the
+    token budget), not a divisor. Refuses, naming the numbers, a batch the trainer ranks cannot split evenly."""
+    if global_batch_size % dp:
+        sizes = [m for m in range(max(dp, global_batch_size - 3 * dp), global_batch_size + 3 * dp + 1) if m % dp == 0]
         raise ConfigError(
-            f"global_batch_size={global_batch_size} ({what}) is not divisible by "
-            f"trainer.micro_batch_size={micro_batch_size} (split over trainer.num_procs={dp}); "
-            f"micro batch sizes that work: {divisors}"
+            f"global_batch_size={global_batch_size} ({what}) does not split evenly over trainer.num_procs={dp} "
+            f"trainer ranks; use a multiple of {dp} (e.g. {sizes}) or another --trainer.num-procs"
         )
-    return global_batch_size // micro_batch_size
+    return -(-global_batch_size // min(micro_batch_size, global_batch_size))
 
 
 @dataclass

@@ -82,7 +82,7 @@ class TrainerConfig:
     """Where the trainer processes compute."""
     micro_batch_size: int = 32
     """At most this many sequences per `forward_backward` call, summed over all trainer ranks (the token budget
-    below may make calls smaller)."""
+    below may make calls smaller). A cap, not a divisor: a step's batch smaller than it is one call."""
     max_tokens_per_micro_batch: int | None = None
     """Token budget of one `forward_backward` call per trainer rank, counted as the trainer lays the sequences out
     (packed rows, or rows padded to the longest). A step's sequences are binned by length into calls under it,
