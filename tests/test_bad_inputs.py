@@ -414,6 +414,72 @@ def test_a_model_directory_without_tokenizer_files_is_refused_at_launch_naming_i
         assert "tokenizer.json" in str(e.value) and "save_pretrained" in str(e.value), e.value
 
 
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny Qwen3 with its own 300-token BPE tokenizer (eos 3, bos 1, pad 0; generation_config eos [3, 1])."""
+    from meshrl.models.tiny_hf import create_tiny_chat_model
+
+    return create_tiny_chat_model(tmp_path_factory.mktemp("chat") / "qwen3", arch="qwen3", vocab_size=300)
+
+
+def _launch(*argv: str) -> None:
+    from controller.cli import parse_run_config
+
+    check_run_inputs(parse_run_config(GRPORunConfig, argv=[*argv, "--model.backend", "hf"]))
+
+
+def test_a_tokenizer_of_another_model_is_refused_at_launch(chat_model, tmp_path, char_tok):
+    other = shutil.copytree(chat_model, tmp_path / "other")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (other / name).unlink(missing_ok=True)
+    char_tok.save_pretrained(str(other))  # 13 ids, bos 2 (the model's bos is 1), eos 1 (one of the model's eos ids)
+    with pytest.raises(ConfigError) as e:
+        _launch("--model.path", str(other))
+    message = str(e.value)
+    assert message.startswith(f"the tokenizer in {other} and the model's config belong to different models"), message
+    assert "the tokenizer has 13 tokens, the model's vocabulary 300 (config.json vocab_size)" in message, message
+    assert "bos token '<bos>' is id 2, config.json / generation_config.json say bos_token_id 1" in message, message
+    assert "eos" not in message.split("vocab_size)")[1], message  # its eos id is one the model stops at
+    _launch("--model.path", str(chat_model))  # the model's own tokenizer: fine
+
+
+def test_special_token_ids_unlike_the_config_are_refused(chat_model, tmp_path):
+    other = shutil.copytree(chat_model, tmp_path / "other")
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((other / name).read_text())
+        cfg["eos_token_id"], cfg["pad_token_id"] = 7, 9
+        (other / name).write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        _launch("--model.path", str(other))
+    message = str(e.value)
+    assert "eos token '<|im_end|>' is id 3, config.json / generation_config.json say eos_token_id 7" in message
+    assert "pad token '<|pad|>' is id 0, config.json / generation_config.json say pad_token_id 9" in message
+    assert "Put the model's own tokenizer files next to its weights" in message, message
+
+
+def test_characters_outside_the_vocabulary_in_grpo_prompts_are_a_bad_row(base_model_dir, tmp_path):
+    from controller.cli import parse_run_config
+    from meshrl.tasks import build_task
+    from meshrl.tasks.setup import TaskSetup
+
+    path = _lines(
+        tmp_path / "p.jsonl", _row({"prompt": "abc=", "answer": "cba"}), _row({"prompt": "abé=", "answer": "x"})
+    )
+    argv = ["--model.path", base_model_dir, "--data.train", path, "--data.eval", path, "--reward", "exact"]
+    cfg = parse_run_config(GRPORunConfig, argv=argv)
+    with pytest.raises(BadRowError) as e:
+        TaskSetup.prepare(cfg, build_task(cfg), base_model_dir)
+    assert str(e.value).startswith(
+        "train prompt 2 ('abé='): characters ['é'] are not in the tokenizer's vocabulary (they would be read as "
+        "'<unk>')"
+    ), e.value
+    assert "--data.on-bad-row skip" in str(e.value)
+    cfg = parse_run_config(GRPORunConfig, argv=[*argv, "--data.on-bad-row", "skip"])
+    setup = TaskSetup.prepare(cfg, build_task(cfg), base_model_dir)
+    assert len(setup.train) == 1 and setup.train.skipped == 1
+    assert "1 skipped (characters outside the tokenizer's vocabulary)" in setup.train.describe("train")
+
+
 # ---- through the command line ------------------------------------------------------------------------------------
 
 

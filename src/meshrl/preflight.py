@@ -4,14 +4,14 @@ the command line alone are the configs' own `__post_init__`.)
 
     check_run_inputs(cfg)                          # checkpoint dir, process counts, lengths vs the model's context
     check_model_dir(path, backend="hf")            # one checkpoint directory (tokenizer files too), headers only
-    check_tokenizer_fits(renderer, model_dir)      # a tokenizer of another model
+    check_tokenizer_fits(renderer, model_dir)      # a tokenizer of another model (vocabulary, eos / bos / pad ids)
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshrl.config import EvalRunConfig, GeneratorConfig, GRPORunConfig, ModelConfig, SFTRunConfig, TrainerConfig
 from meshrl.errors import ConfigError
@@ -24,12 +24,14 @@ AnyRunConfig = GRPORunConfig | SFTRunConfig | EvalRunConfig
 
 def check_run_inputs(cfg: AnyRunConfig, *, generator: bool = True) -> None:
     """What can be known wrong about a run before any process starts, refused first thing in each program's main
-    with a ConfigError naming the flag, the file and the numbers: the checkpoint directory (`check_model_dir`),
-    trainer / reference process counts this machine cannot run (`check_process_counts`), and lengths past the
-    model's context (`check_context`; `generator`: whether the run starts generators, whose max_model_len counts)."""
+    with a ConfigError naming the flag, the file and the numbers: the checkpoint directory (`check_model_dir`) and
+    its tokenizer (`check_tokenizer_fits`), trainer / reference process counts this machine cannot run
+    (`check_process_counts`), and lengths past the model's context (`check_context`; `generator`: whether the run
+    starts generators, whose max_model_len counts)."""
     trainer = None if isinstance(cfg, EvalRunConfig) else cfg.trainer
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, cfg.model.backend if trainer is not None else None)
+        check_tokenizer_fits(None, cfg.model.path)
     reference_procs = cfg.grpo.reference_procs if isinstance(cfg, GRPORunConfig) and cfg.grpo.needs_reference else None
     check_process_counts(trainer, cfg.generator, reference_procs=reference_procs)
     check_context(cfg, generator=generator)
@@ -92,17 +94,44 @@ def check_tokenizer_files(path: str | Path) -> None:
     )
 
 
-def check_tokenizer_fits(renderer: Renderer, model_dir: str | Path) -> None:
-    """A tokenizer whose ids run past the model's vocabulary belongs to another model: refuse at launch."""
-    from meshrl.models.hf_config import read_config
+def check_tokenizer_fits(renderer: Renderer | Any | None, model_dir: str | Path) -> None:
+    """The tokenizer in `model_dir` is the model's own: refuse at launch one of another model, whose ids would mean
+    other tokens to the weights (prompts read as other words, generation that never stops). `renderer`: a Renderer
+    or a transformers tokenizer already loaded; None loads the directory's. Compared with config.json (and
+    generation_config.json): the vocabulary (more tokens than the model's rows, or fewer than half of them: models
+    pad their vocabulary a little, never by half) and the eos / bos / pad ids where both name one (the tokenizer's
+    eos must be one the model stops at; a pad that is an eos id is the usual stand-in)."""
+    from meshrl.models.hf_config import _ids, read_config, read_json, text_config
 
+    if renderer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    else:
+        tokenizer = getattr(renderer, "tokenizer", renderer)
     hf = read_config(model_dir)
-    vocab = hf.get("vocab_size")
-    n = len(renderer.tokenizer)
-    if isinstance(vocab, int) and n > vocab:
+    gen_path = Path(model_dir) / "generation_config.json"
+    gen = read_json(gen_path, "the generation config") if gen_path.is_file() else {}
+    wrong = []
+    vocab, n = text_config(hf).get("vocab_size"), len(tokenizer)
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and not vocab / 2 <= n <= vocab:
+        wrong.append(f"the tokenizer has {n} tokens, the model's vocabulary {vocab} (config.json vocab_size)")
+    eos_ids = set()
+    for key in ("eos", "bos", "pad"):
+        configured = {
+            i for d in (hf, text_config(hf), gen) if isinstance(d, dict) for i in _ids(d.get(f"{key}_token_id"))
+        }
+        eos_ids |= configured if key == "eos" else set()
+        token, token_id = getattr(tokenizer, f"{key}_token", None), getattr(tokenizer, f"{key}_token_id", None)
+        if token_id is None or not configured or token_id in configured or (key == "pad" and token_id in eos_ids):
+            continue
+        said = f"config.json / generation_config.json say {key}_token_id {', '.join(map(str, sorted(configured)))}"
+        wrong.append(f"its {key} token {token!r} is id {token_id}, {said}")
+    if wrong:
         raise ConfigError(
-            f"the tokenizer in {model_dir} has {n} tokens but the model's vocabulary has {vocab}: they belong to "
-            "different models. Put the model's own tokenizer files next to its weights"
+            f"the tokenizer in {model_dir} and the model's config belong to different models: {'; '.join(wrong)}. "
+            "Put the model's own tokenizer files next to its weights (or, if this tokenizer is the model's own, "
+            "correct config.json / generation_config.json)"
         )
 
 

@@ -107,17 +107,30 @@ class PromptSet:
     shortest: int = 0  # prompt lengths in tokens, over every row rendered (the dropped included)
     longest: int = 0
     made: PromptBudget | None = None  # how `budget` is made, when known
+    skipped: int = 0  # prompts with characters outside the tokenizer's vocabulary (on_bad_row="skip")
 
     @classmethod
-    def render(cls, rows: Sequence[Row], renderer: Renderer, budget: int | PromptBudget, what: str) -> PromptSet:
+    def render(
+        cls, rows: Sequence[Row], renderer: Renderer, budget: int | PromptBudget, what: str, on_bad_row: str = "error"
+    ) -> PromptSet:
+        """`on_bad_row`: a prompt with characters the tokenizer reads as its unknown token (the model would see
+        `<unk>` for them) stops the run naming it ("error"), or is skipped and counted ("skip"), as SFT rows are."""
         made = budget if isinstance(budget, PromptBudget) else None
         budget = made.tokens if made is not None else budget
-        kept, ids, dropped, lengths = [], [], 0, []
+        kept, ids, dropped, lengths, skipped = [], [], 0, [], 0
+        unk_id = getattr(renderer.tokenizer, "unk_token_id", None)
         for i, row in enumerate(rows):
             try:
                 prompt = renderer.prompt_ids(row)
             except Exception as e:  # noqa: BLE001 - a template that cannot render a row: name the row
                 raise ValueError(f"{what} row {i + 1}: cannot render its prompt: {e}") from e
+            if (
+                unk_id is not None
+                and unk_id in prompt
+                and _unknown(renderer, row, prompt, f"{what} prompt {i + 1}", on_bad_row)
+            ):
+                skipped += 1
+                continue
             lengths.append(len(prompt))
             if len(prompt) > budget:
                 dropped += 1
@@ -125,19 +138,26 @@ class PromptSet:
             kept.append(row)
             ids.append(prompt)
         shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
+        if not kept and not lengths:
+            raise ConfigError(
+                f"every one of the {len(rows)} {what} prompts has characters outside the tokenizer's vocabulary: is "
+                "the data in a language or script this model's tokenizer does not cover?"
+            )
         if not kept:
             raise ConfigError(
-                f"every one of the {len(rows)} {what} prompts is longer than the {budget}-token prompt budget"
+                f"every one of the {len(lengths)} {what} prompts is longer than the {budget}-token prompt budget"
                 f"{f' ({made.made()})' if made else ''}: prompts are {shortest} to {longest} tokens. To fit the "
                 f"shortest, {_to_fit(made, shortest, budget)}"
             )
-        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made)
+        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made, skipped)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def describe(self, what: str) -> str:
         note = f", {self.dropped} dropped (prompt over {self.budget} tokens)" if self.dropped else ""
+        if self.skipped:
+            note += f", {self.skipped} skipped (characters outside the tokenizer's vocabulary)"
         return f"{what}: {len(self)} prompts{note}"
 
     def dropped_warning(self, what: str) -> str | None:
@@ -152,6 +172,27 @@ class PromptSet:
             f"{self.budget}-token prompt budget{made} and were dropped: prompts are {self.shortest} to {self.longest} "
             f"tokens. To keep them all, {_to_fit(self.made, self.longest, self.budget)}"
         )
+
+
+def _unknown(renderer: Renderer, row: Row, prompt: list[int], name: str, on_bad_row: str) -> bool:
+    """Whether the prompt has characters outside the tokenizer's vocabulary (then: BadRowError, or True to skip it).
+    Called only when the unknown token's id is among the prompt's ids (the unknown token's own text written in a
+    prompt is not unknown)."""
+    from meshrl.data.prompts import SKIP_HINT
+    from meshrl.data.rows import BadRowError
+    from meshrl.tokenizer import unknown_characters
+
+    unknown = unknown_characters(renderer.tokenizer, renderer.prompt_text(row), prompt)
+    if not unknown or on_bad_row == "skip":
+        return bool(unknown)
+    text = row.prompt if isinstance(row.prompt, str) else str(row.prompt[-1].get("content", ""))
+    preview = repr(text[:40]) + ("..." if len(text) > 40 else "")
+    shown = unknown[:10] + (["..."] if len(unknown) > 10 else [])
+    raise BadRowError(
+        f"{name} ({preview}): characters {shown} are not in the tokenizer's vocabulary (they would be read as "
+        f"{renderer.tokenizer.unk_token!r}); remove or replace them, or use a model whose tokenizer covers them "
+        f"({SKIP_HINT})"
+    )
 
 
 def _to_fit(made: PromptBudget | None, length: int, budget: int) -> str:
@@ -249,6 +290,7 @@ class TaskSetup:
             eval_budget=PromptBudget.of(
                 cfg, model_dir, limit=budget, response=eval_max_tokens or gen.max_tokens, held_out=True
             ),
+            on_bad_row=getattr(getattr(cfg, "data", None), "on_bad_row", "error"),  # prompts with <unk> characters
         )
 
     @classmethod
@@ -261,10 +303,11 @@ class TaskSetup:
         *,
         train_budget: int | PromptBudget,
         eval_budget: int | PromptBudget,
+        on_bad_row: str = "error",
     ) -> TaskSetup:
         """From parts made by hand (`prepare` makes them from a run config): renders both splits."""
-        train = PromptSet.render(task.train, renderer, train_budget, "train")
-        held_out = PromptSet.render(task.eval, renderer, eval_budget, "eval")
+        train = PromptSet.render(task.train, renderer, train_budget, "train", on_bad_row)
+        held_out = PromptSet.render(task.eval, renderer, eval_budget, "eval", on_bad_row)
         for split, what in ((train, "train"), (held_out, "eval")):
             if warning := split.dropped_warning(what):
                 print(f"[meshrl] WARNING: {warning}", file=sys.stderr, flush=True)
