@@ -8,6 +8,8 @@
 #                                            # GPU-only tests of meshrl.optim, trainer_speed.py --backend torchtitan
 #   bash bench/gpu_run.sh torch211           # the preinstalled torch 2.11 stack (+ .whl): the TransformersEngine tests on
 #                                            # the GPU, then a GRPO step through the Controller (cuda_ipc)
+#   bash bench/gpu_run.sh gpu-lane [args]    # the torch 2.11 stack (+ .whl): the GPU lane, every test marked gpu
+#                                            # (tests/README.md; [args] go to pytest)
 #   bash bench/gpu_run.sh onegpu [args]      # the torch 2.11 stack: bench/one_gpu_memory.py (token budgets, packing,
 #                                            # memory hand-off vs fixed micro-batches)
 #   bash bench/gpu_run.sh fp8kv [args]       # the torch 2.11 stack: the fp8 KV cache's GPU tests, decode_attention.py,
@@ -76,6 +78,16 @@ torch211)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transformers_engine.py 2>&1 | tail -15 | tee "$OUT/test_transformers_engine_gpu.log"
   cd bench && timeout 330 python3 grpo_step_gpu.py --steps 3 --transports cuda_ipc 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/grpo_step_gpu.log"
+  ;;
+gpu-lane)
+  # The tests that need CUDA (tests/conftest.py marks them gpu). meshrl's folders are assembled into one package as
+  # bench/common.py does; test modules that do not import on this stack (torchtitan, vLLM) are reported, not run.
+  [ -d /tmp/site211/monarch ] || pipi /tmp/site211 .whl/*.whl || exit 1
+  rm -rf /tmp/meshrl-tree && mkdir -p /tmp/meshrl-tree && cp -r src/meshrl /tmp/meshrl-tree/ || exit 1
+  for d in actors controller configs; do cp -r "$d" /tmp/meshrl-tree/meshrl/ || exit 1; done
+  export PYTHONPATH=/tmp/site211:/tmp/meshrl-tree
+  timeout "${LANE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors \
+    -rs tests "${@:2}" 2>&1 | grep -v -E "Warning|warnings.warn" | tail -40 | tee "$OUT/test_gpu_lane.log"
   ;;
 onegpu)
   # issue 17: token budgets, packing and the memory hand-off beside fixed micro-batches (bench/one_gpu_memory.py)
