@@ -480,6 +480,22 @@ def test_characters_outside_the_vocabulary_in_grpo_prompts_are_a_bad_row(base_mo
     assert "1 skipped (characters outside the tokenizer's vocabulary)" in setup.train.describe("train")
 
 
+def test_a_huge_sft_row_is_refused_by_its_characters_before_tokenising(tmp_path, char_tok, monkeypatch):
+    """Issue 31, item 17: a row far past --data.max-seq-len is a bad row known from its characters, untokenised."""
+    calls = []
+    real = type(char_tok).__call__
+    monkeypatch.setattr(
+        type(char_tok), "__call__", lambda tok, text, **kw: calls.append(len(text)) or real(tok, text, **kw)
+    )
+    huge = {"prompt": "abc=" * 500_000, "response": "cba"}
+    path = _lines(tmp_path / "d.jsonl", _row(GOOD_SFT[0]), _row(huge))
+    with pytest.raises(BadRowError, match=r"row 2: 2000003 characters, more than 64 tokens can hold \(at most 5 "):
+        load_sft_dataset(path, char_tok, max_seq_len=64)
+    ds = load_sft_dataset(path, char_tok, max_seq_len=64, on_bad_row="skip")
+    assert len(ds) == 1 and dict(ds.skipped) == {"over the limit of 64 tokens": 1}
+    assert max(calls) < 10_000, max(calls)
+
+
 # ---- through the command line ------------------------------------------------------------------------------------
 
 

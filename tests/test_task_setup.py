@@ -191,3 +191,19 @@ def test_many_dropped_prompts_warn_with_lengths_and_the_context(context_128, cap
     assert "--generator.max-model-len 128 - --generator.max-tokens 16" in err, err
     assert re.search(r"prompts are \d+ to \d+ tokens", err) and "model's context is 128 positions" in err, err
     assert "raising --generator.max-model-len cannot help" in err, err
+
+
+def test_a_huge_prompt_is_dropped_by_its_characters_before_tokenising(chat_model, monkeypatch, capsys):
+    """A 50 MB row took ~150 s of tokenising only to be dropped as too long (issue 31, item 17): its characters
+    alone say it cannot fit, so it is dropped untokenised."""
+    encoded = []
+    real = Renderer.encode
+    monkeypatch.setattr(Renderer, "encode", lambda self, text: encoded.append(len(text)) or real(self, text))
+    huge = {"prompt": "how are you today? " * 250_000, "answer": "1"}  # 4.75 million characters
+    rows = [{"prompt": "2 + 2?", "answer": "4"}] * 3 + [huge]
+    setup = _prepare(chat_model, rows, "--generator.max-model-len", "64", "--generator.max-tokens", "16")
+    assert len(setup.train) == 3 and setup.train.dropped == 1
+    assert max(encoded) < 10_000, max(encoded)  # the huge prompt never reached the tokenizer
+    err = _words(capsys.readouterr().err)
+    assert "1 of 4 train prompts (25%) are longer than the 48-token prompt budget" in err, err
+    assert "and 1 over 1248 characters (more than 48 tokens can hold; not tokenised)" in err, err

@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshrl.data.lengths import SLACK, max_token_chars, text_chars
 from meshrl.data.roles import CHAT_ROLES, accepted_roles, check_roles
 from meshrl.data.rows import BadRowError, iter_rows, source_name
 from meshrl.data.sampler import EpochSampler  # noqa: F401 - re-exported: controller/sft.py imports it from here
@@ -117,6 +118,10 @@ def tokenize_row(
     return SFTExample(list(prompt_ids), list(response_ids))
 
 
+def _row_chars(row: Any, fields: tuple[str, ...]) -> int:
+    return sum(text_chars(row.get(f)) for f in fields) if isinstance(row, dict) else 0
+
+
 def load_sft_dataset(
     source: str | os.PathLike | Iterable[Mapping[str, Any]],
     tokenizer,
@@ -133,8 +138,22 @@ def load_sft_dataset(
     examples, skipped = [], Counter()
     template = getattr(tokenizer, "chat_template", None)
     roles = accepted_roles(template=template) if isinstance(template, str) else CHAT_ROLES
+    per_token = max_token_chars(tokenizer)
     for row_number, row in iter_rows(source):
         try:
+            # A row too long by its characters alone is refused untokenised (a 50 MB row takes minutes to tokenise).
+            chars = _row_chars(
+                row,
+                (messages_field,)
+                if isinstance(row, dict) and messages_field in row
+                else (prompt_field, response_field),
+            )
+            if chars > max_seq_len * per_token * SLACK:
+                raise BadRowError(
+                    f"{chars} characters, more than {max_seq_len} tokens can hold (at most {per_token} characters a "
+                    "token with this tokenizer); not tokenised",
+                    reason=f"over the limit of {max_seq_len} tokens",
+                )
             ex = tokenize_row(
                 row,
                 tokenizer,

@@ -108,18 +108,27 @@ class PromptSet:
     longest: int = 0
     made: PromptBudget | None = None  # how `budget` is made, when known
     skipped: int = 0  # prompts with characters outside the tokenizer's vocabulary (on_bad_row="skip")
+    untokenised: int = 0  # of the dropped, those over `char_cap` characters: dropped before tokenising
+    char_cap: int = 0  # characters past which a prompt cannot fit the budget (meshrl.data.lengths)
 
     @classmethod
     def render(
         cls, rows: Sequence[Row], renderer: Renderer, budget: int | PromptBudget, what: str, on_bad_row: str = "error"
     ) -> PromptSet:
         """`on_bad_row`: a prompt with characters the tokenizer reads as its unknown token (the model would see
-        `<unk>` for them) stops the run naming it ("error"), or is skipped and counted ("skip"), as SFT rows are."""
+        `<unk>` for them) stops the run naming it ("error"), or is skipped and counted ("skip"), as SFT rows are. A
+        prompt of more characters than the budget can hold is dropped before tokenising (a 50 MB row takes minutes)."""
+        from meshrl.data.lengths import char_cap, text_chars
+
         made = budget if isinstance(budget, PromptBudget) else None
         budget = made.tokens if made is not None else budget
-        kept, ids, dropped, lengths, skipped = [], [], 0, [], 0
+        kept, ids, dropped, lengths, skipped, untokenised = [], [], 0, [], 0, 0
         unk_id = getattr(renderer.tokenizer, "unk_token_id", None)
+        cap = char_cap(renderer.tokenizer, budget)
         for i, row in enumerate(rows):
+            if text_chars(row.prompt) > cap:
+                dropped, untokenised = dropped + 1, untokenised + 1
+                continue
             try:
                 prompt = renderer.prompt_ids(row)
             except Exception as e:  # noqa: BLE001 - a template that cannot render a row: name the row
@@ -138,18 +147,20 @@ class PromptSet:
             kept.append(row)
             ids.append(prompt)
         shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
-        if not kept and not lengths:
+        split = cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made, skipped)
+        split.untokenised, split.char_cap = untokenised, cap
+        if not kept and not dropped:
             raise ConfigError(
                 f"every one of the {len(rows)} {what} prompts has characters outside the tokenizer's vocabulary: is "
                 "the data in a language or script this model's tokenizer does not cover?"
             )
         if not kept:
+            advice = f"To fit the shortest, {_to_fit(made, shortest, budget)}" if lengths else "Use shorter prompts"
             raise ConfigError(
-                f"every one of the {len(lengths)} {what} prompts is longer than the {budget}-token prompt budget"
-                f"{f' ({made.made()})' if made else ''}: prompts are {shortest} to {longest} tokens. To fit the "
-                f"shortest, {_to_fit(made, shortest, budget)}"
+                f"every one of the {dropped} {what} prompts is longer than the {budget}-token prompt budget"
+                f"{f' ({made.made()})' if made else ''}: {split.lengths()}. {advice}"
             )
-        return cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made, skipped)
+        return split
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -167,11 +178,24 @@ class PromptSet:
         if self.dropped < 0.1 * total:
             return None
         made = f" ({self.made.made()})" if self.made else ""
+        if self.longest > self.budget:
+            advice = f"To keep them all, {_to_fit(self.made, self.longest, self.budget)}"
+        else:  # only prompts too long to tokenise were dropped
+            advice = f"Shorten the prompts over {self.char_cap} characters, or leave them out"
         return (
             f"{self.dropped} of {total} {what} prompts ({self.dropped / total:.0%}) are longer than the "
-            f"{self.budget}-token prompt budget{made} and were dropped: prompts are {self.shortest} to {self.longest} "
-            f"tokens. To keep them all, {_to_fit(self.made, self.longest, self.budget)}"
+            f"{self.budget}-token prompt budget{made} and were dropped: {self.lengths()}. {advice}"
         )
+
+    def lengths(self) -> str:
+        """The lengths of the prompts rendered: in tokens, and how many were too long to tokenise."""
+        told = [f"prompts are {self.shortest} to {self.longest} tokens"] if self.longest else []
+        if self.untokenised:
+            told.append(
+                f"{self.untokenised} over {self.char_cap} characters (more than {self.budget} tokens can hold; not "
+                "tokenised)"
+            )
+        return ", and ".join(told)
 
 
 def _unknown(renderer: Renderer, row: Row, prompt: list[int], name: str, on_bad_row: str) -> bool:
