@@ -126,9 +126,11 @@ class Generator(Actor):
         `meshrl.weight_sync.shared_buffer.SharedBufferHandle`, sent once by the controller). Returns the transport."""
         from meshrl.weight_sync.pubsub import SharedBufferSubscriber
 
+        # The new one first: a handle that cannot be opened leaves this generator on the buffer it had.
+        subscriber = SharedBufferSubscriber(handle, self._engine())
         if self.subscriber is not None:
             self.subscriber.close()
-        self.subscriber = SharedBufferSubscriber(handle, self._engine())
+        self.subscriber = subscriber
         return self.subscriber.transport
 
     @endpoint

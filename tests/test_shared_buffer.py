@@ -241,3 +241,113 @@ def test_stale_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
         p.write_bytes(b"x")
     assert sorted(remove_stale_files(str(tmp_path))) == sorted(str(p) for p in stale)
     assert live.exists() and other.exists() and not any(p.exists() for p in stale)
+
+
+# ---- faults: files removed under a live run, stale files (issue 31, items 11 and 13) ------------------------------
+
+
+def test_a_new_receiver_attaches_after_another_closed_and_loads_the_current_version():
+    """A replacement generator: the first subscriber closes (or its process dies), the trainer goes on publishing,
+    and a new subscriber attached to the same handle loads the current version. Closing a subscriber never touches
+    the files."""
+    import os
+
+    sender = SharedBufferSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.float32)
+    try:
+        sender.publish(_state_dict(1), 1)
+        first = SharedBufferReceiver(sender.handle())
+        with first.read(1) as (v, _):
+            assert v == 1
+        first.close()
+        assert all(os.path.exists(h[0]) for h in sender.handle().held)
+        sender.publish(_state_dict(2), 2)
+        second = SharedBufferReceiver(pickle.loads(pickle.dumps(sender.handle())))
+        with second.read() as (v, views):
+            assert v == 2 and torch.equal(views["model.norm.weight"], _state_dict(2)["model.norm.weight"])
+        second.close()
+    finally:
+        sender.close()
+    assert not any(os.path.exists(h[0]) for h in sender.handle().held)  # the owner's close removes them
+
+
+def test_a_replacement_finds_the_buffer_while_its_owner_holds_it_after_its_names_were_removed():
+    """The issue's `FileNotFoundError: ... /dev/shm/meshrl-wsync-...ctl` of a replacement generator: the buffer's
+    names were removed while the trainer lived (here as any outside sweeper would: remove_shared_files). A new
+    receiver still attaches, through the owner's descriptors (/proc/<owner pid>/fd/<fd>, checked by inode), reads
+    the current version and sees the next; once the owner has let go, it is an error that names the owner."""
+    import os
+
+    from meshrl.weight_sync.pubsub import SharedBufferPublisher
+    from meshrl.weight_sync.shared_buffer import remove_shared_files
+
+    sender = SharedBufferSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.float32)
+    handle = sender.handle()
+    try:
+        sender.publish(_state_dict(3), 3)
+        remove_shared_files(handle)
+        assert not any(os.path.exists(h[0]) for h in handle.held)
+        rx = SharedBufferReceiver(pickle.loads(pickle.dumps(handle)))
+        assert rx.control.path == handle.control_path
+        with rx.read() as (v, views):
+            assert v == 3 and torch.equal(views["model.norm.weight"], _state_dict(3)["model.norm.weight"])
+        sender.publish(_state_dict(4), 4)  # the owner and the late receiver share the same control block and locks
+        with rx.read(4) as (v, views):
+            assert torch.equal(views["model.norm.weight"], _state_dict(4)["model.norm.weight"])
+        rx.close()
+
+        # A publisher replaced on the trainer (set_weight_sync again) no longer removes the live buffer's files.
+        class _Policy:
+            def publish_weights_ipc(self, version, dtype):
+                sender.publish(_state_dict(version), version)
+                return handle
+
+        import asyncio
+
+        publisher = SharedBufferPublisher("shm")
+        asyncio.run(publisher.publish(_Policy(), 5, torch.float32))
+        publisher.close()
+        SharedBufferReceiver(handle).close()  # still attachable (through the owner: the names were removed above)
+    finally:
+        sender.close()
+    with pytest.raises(FileNotFoundError, match=rf"owner \(trainer rank 0, pid {os.getpid()}\) no longer holds it"):
+        SharedBufferReceiver(handle)
+
+
+def test_stale_files_are_those_of_runs_whose_processes_are_all_gone(tmp_path, monkeypatch):
+    """remove_stale_files at the next start: files are kept while their owner pid lives OR while any process holds
+    the run's control block (the trainer for its lifetime, each attached generator): a live run whose pids this
+    process cannot see (another pid namespace sharing /dev/shm) keeps its files. Stand-ins: the directory is a
+    temporary one, a dead pid is that of a finished `true`, and a run in another pid namespace is this process's
+    own sender with the pid check patched to see nothing."""
+    import fcntl
+    import os
+
+    from meshrl.weight_sync import shared_buffer
+    from meshrl.weight_sync.shared_buffer import remove_stale_files
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = finished.pid
+    monkeypatch.setattr(shared_buffer, "shm_dir", lambda: str(tmp_path))
+    sender = SharedBufferSender.for_state_dict(_state_dict(0), "cpu", dtype=torch.float32)
+    live = {h[0] for h in sender.handle().held}
+    gone = {str(tmp_path / f"meshrl-wsync-{dead}-abc{suffix}") for suffix in (".ctl", ".ctl.slot0.lock", ".buf")}
+    gone.add(str(tmp_path / f"meshrl-wsync-{dead}-ts-0123"))  # a torchstore chunk of a dead volume
+    attached = {str(tmp_path / f"meshrl-wsync-{dead}-def{suffix}") for suffix in (".ctl", ".ctl.slot0.lock")}
+    other = tmp_path / "something-else"
+    for p in [*gone, *attached, other]:
+        open(p, "wb").close()
+    generator = os.open(str(tmp_path / f"meshrl-wsync-{dead}-def.ctl"), os.O_RDONLY)
+    fcntl.flock(generator, fcntl.LOCK_SH)  # a generator of a run whose trainer died is still attached
+    try:
+        assert sorted(remove_stale_files(str(tmp_path))) == sorted(gone)
+        monkeypatch.setattr(shared_buffer, "_alive", lambda pid: False)  # the sweeper cannot see the owner's pid
+        assert remove_stale_files(str(tmp_path)) == []
+        assert all(os.path.exists(p) for p in [*live, *attached, other])
+        rx = SharedBufferReceiver(sender.handle())  # untouched: it attaches by name
+        rx.close()
+    finally:
+        os.close(generator)
+        sender.close()
+    assert sorted(remove_stale_files(str(tmp_path))) == sorted(attached)  # the last process of that run let go
+    assert os.listdir(tmp_path) == ["something-else"]

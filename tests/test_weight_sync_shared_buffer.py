@@ -202,6 +202,46 @@ def test_vllm_generator_loads_from_the_same_buffer(shm_ctl, base_model_dir):
         procs.stop().get(timeout=60)
 
 
+def test_a_replacement_generator_finds_the_buffer_the_trainer_still_holds(shm_ctl, monkeypatch):
+    """Issue 31 item 11: a replacement generator failed with `FileNotFoundError: ... /dev/shm/meshrl-wsync-...ctl`
+    — the trainer's buffer files were gone while the trainer lived. Here the live run's files survive a stale-file
+    sweep that cannot see the trainer's pid (a start in another pid namespace sharing /dev/shm; stand-in: the pid
+    check patched to miss that one pid); then their names are taken away anyway (renamed aside, as a foreign
+    sweeper, systemd's RemoveIPC or `rm` would remove them) and generator 0 is replaced through the pool: the
+    replacement attaches through the trainer's own descriptors, loads the version the others serve, and follows
+    the next sync with the trainer's logprobs."""
+    from meshrl.weight_sync import shared_buffer
+    from meshrl.weight_sync.shared_buffer import remove_stale_files
+
+    ctl = shm_ctl
+    ctl.sync_weights()
+    (handle,) = [h for h in ctl.trainer.weight_buffer.call().get(timeout=TIMEOUT).values() if h is not None]
+    files = [h[0] for h in handle.held]
+    assert len(files) == 4 and all(os.path.exists(f) for f in files)  # control block, 2 slot locks, buffer
+    alive = shared_buffer._alive
+    monkeypatch.setattr(shared_buffer, "_alive", lambda pid: pid != handle.owner_pid and alive(pid))
+    assert not set(remove_stale_files()) & set(files) and all(os.path.exists(f) for f in files)
+    monkeypatch.undo()
+
+    aside = {f: os.path.join(os.path.dirname(f), f".aside-{os.path.basename(f)}") for f in files}
+    for f, a in aside.items():
+        os.rename(f, a)
+    try:
+        pool = ctl.generators
+        before = pool.replicas[0].pid
+        pool.replace(0, pool.replicas[0].generation, "replaced by the test")
+        assert pool.replicas[0].pid != before
+        info = pool.actor(0).info.call_one().get(timeout=TIMEOUT)
+        assert (info["policy_version"], info["weight_sync"]) == (ctl.policy_version, "shm")
+        _step(ctl, 70)
+        assert ctl.sync_weights().version == ctl.policy_version
+        probe = random_data(4, seed=13)
+        assert _max_diff(ctl.prompt_logprobs([d.tokens for d in probe]).result(), ctl.forward(probe).result()) < 1e-4
+    finally:
+        for f, a in aside.items():
+            os.rename(a, f)
+
+
 def test_shutdown_removes_the_buffer_files_even_after_the_trainer_was_killed(shm_ctl):
     """The trainer's /dev/shm buffer and control block do not outlive the run — not even when the trainer
     processes were SIGKILLed and never ran their own clean-up (the controller removes them at shutdown)."""

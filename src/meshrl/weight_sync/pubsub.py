@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from meshrl.weight_sync.shared_buffer import SharedBufferHandle, SharedBufferReceiver, remove_shared_files
+from meshrl.weight_sync.shared_buffer import SharedBufferHandle, SharedBufferReceiver
 from meshrl.weight_sync.transport import DEFAULT_STORE, SHARED_BUFFER_TRANSPORTS
 
 if TYPE_CHECKING:
@@ -114,11 +114,12 @@ class SharedBufferPublisher:
         return self._handle
 
     def close(self) -> None:
-        # The buffer's host files (and a CPU buffer's /dev/shm memory) would otherwise outlive the run; mappings
-        # that generators hold keep working until they exit.
-        if self._handle is not None:
-            remove_shared_files(self._handle)
-            self._handle = None
+        # The buffer and its files belong to the trainer's sender (`Policy.publish_weights_ipc`), which goes on
+        # publishing into them after this publisher is replaced (`set_weight_sync` again): removing the files here
+        # left a live buffer that no replacement generator could open. The sender removes them when it goes (its
+        # process's exit included); the controller at the end of its run (a SIGKILLed trainer); the next start
+        # those of runs whose processes are all gone (`shared_buffer.remove_stale_files`).
+        self._handle = None
 
 
 def make_publisher(transport: str, store_name: str = DEFAULT_STORE, gather: bool = False) -> WeightPublisher:

@@ -28,22 +28,33 @@ The control block and locks are host files, so both processes must be on one hos
 GPU. Buffers on the CPU (tests, or CPU processes of one host) are shared through a /dev/shm file instead of a
 CUDA IPC handle, with the same protocol.
 
-`choose_transport` picks "cuda_ipc" when trainer and generator sit on the same physical CUDA device (compared
-by device UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore"
-otherwise. No Monarch in here: the actors pass `SharedBufferHandle` (picklable) through their endpoints.
+Who holds the files, and who may remove them (`meshrl-wsync-<owner pid>-<id>.ctl`, `.ctl.slot<i>.lock`, `.buf`):
+- The sender (trainer rank 0) creates them, keeps every one open for its lifetime, and holds a shared `flock` on
+  the control block and the CPU buffer; each receiver (generator) holds a shared `flock` on the control block while
+  attached. So "every process of the run is gone" is exactly "nobody holds the control block's lock", whatever pid
+  namespace the processes live in (containers sharing /dev/shm with `--ipc=host` do not share pids).
+- They are removed by the sender's `close()` (or when its process exits normally), by the controller at the end
+  of its run (`remove_shared_files`: it may have SIGKILLed the trainer), and by `remove_stale_files` at the next
+  start — which removes only files whose owner pid is gone AND whose lock nobody holds. Never by a receiver.
+- If the names are removed anyway while the trainer lives (a foreign sweeper, systemd-logind's RemoveIPC, `rm`),
+  a new receiver (a replacement generator) opens the same files through the sender's descriptors,
+  /proc/<owner pid>/fd/<fd>, checked by inode (`SharedBufferHandle.held`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import mmap
 import os
 import re
 import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +63,9 @@ import torch
 
 ALIGN = 256
 """Byte alignment of every tensor in the flat buffer: any dtype can view it, and vectorised copies stay aligned."""
+
+DEFAULT_SLOTS = 2
+"""Slots of the buffer (double buffering); `num_slots` of SharedBufferSender."""
 
 _MAGIC = 0x6D65736872_6C  # "meshrl"
 _WRITING = -1  # a slot being written (never a version)
@@ -190,25 +204,126 @@ def choose_transport(trainer_device: str | torch.device, generator_device: str |
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# shared-memory files: where they live, how much room there is, who holds them
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _held(path: str) -> bool:
+    """Whether a process holds a `flock` on `path` — any process with this file open, in any pid namespace."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+_FILE_NAME = re.compile(r"(\.)?meshrl-wsync-(\d+)-")
+_MEMBER_SUFFIX = re.compile(r"\.(ctl(\.slot\d+\.lock)?|buf)$")
+_TMP_GRACE_S = 60.0  # a control block being made (hidden name, locked at once) is left alone this long
+
+
+def remove_stale_files(directory: str | None = None) -> list[str]:
+    """Unlink the shared-memory files of runs whose processes are all gone (`meshrl-wsync-<owner pid>-...`: a
+    trainer, controller or torchstore volume killed with SIGKILL cannot clean up after itself). A file is kept
+    while its owner pid is alive here, or while any process holds its run's control block or buffer (the trainer
+    holds both for its lifetime, each attached generator the control block: processes of another pid namespace
+    that share this /dev/shm included, whose pids mean nothing here). A recycled pid only means a stale file is
+    kept until the next start. Returns the removed paths."""
+    directory = directory or shm_dir()
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        m = _FILE_NAME.match(name)
+        if m is None or _alive(int(m.group(2))):
+            continue
+        path = os.path.join(directory, name)
+        if m.group(1):  # a control block being made: hidden and locked until renamed into place
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - os.stat(path).st_mtime < _TMP_GRACE_S or _held(path):
+                    continue
+        else:
+            base = _MEMBER_SUFFIX.sub("", name)
+            if any(_held(os.path.join(directory, n)) for n in dict.fromkeys((name, base + ".ctl", base + ".buf"))):
+                continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the control block: versions of the slots, and their locks
+
+
+def _lock_path(control_path: str, slot: int) -> str:
+    return f"{control_path}.slot{slot}.lock"
 
 
 class VersionControl:
     """`[magic, latest, version of slot 0, ...]` as int64 in a shared file, plus one flock file per slot.
-    The version rules live here (pure Python, no device)."""
+    The version rules live here (pure Python, no device). Whoever has it open holds a shared flock on the control
+    block (the mark of a live run, `remove_stale_files`). `locate(path)`: where a receiver opens each file (the
+    path, or the owner's descriptor of it if the name is gone: `SharedBufferHandle.locate`)."""
 
-    def __init__(self, path: str, num_slots: int, *, create: bool) -> None:
+    def __init__(self, path: str, num_slots: int, *, create: bool, locate: Callable[[str], str] | None = None) -> None:
         self.path, self.num_slots = path, int(num_slots)
+        nbytes = 8 * (_HDR + self.num_slots)
+        locate = locate or (lambda p: p)
         if create:
-            arr = np.memmap(path, dtype=np.int64, mode="w+", shape=(_HDR + self.num_slots,))
-            arr[:] = [_MAGIC, _EMPTY] + [_EMPTY] * self.num_slots
-            arr.flush()
+            # Made under a hidden name, locked, filled, then renamed into place: the control block is never visible
+            # unlocked (a sweeper that cannot see this pid would take it for stale).
+            where = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         else:
-            arr = np.memmap(path, dtype=np.int64, mode="r+", shape=(_HDR + self.num_slots,))
-            if int(arr[0]) != _MAGIC:
+            where = locate(path)
+            fd = os.open(where, os.O_RDWR)  # never O_CREAT: a missing control block is an error, not a new one
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if create:
+                os.ftruncate(fd, nbytes)
+            self._mm = mmap.mmap(fd, nbytes)
+            self._arr = np.ndarray((_HDR + self.num_slots,), dtype=np.int64, buffer=self._mm)
+            if create:
+                self._arr[:] = [_MAGIC, _EMPTY] + [_EMPTY] * self.num_slots
+                os.rename(where, path)
+            elif int(self._arr[0]) != _MAGIC:
                 raise ValueError(f"{path} is not a meshrl weight-sync control block")
-        self._arr = arr
-        self._lock_fds = [os.open(f"{path}.slot{i}.lock", os.O_RDWR | os.O_CREAT, 0o600) for i in range(num_slots)]
+            self._lock_fds: list[int] = []
+            for i in range(self.num_slots):
+                lock = _lock_path(path, i)
+                if create:
+                    self._lock_fds.append(os.open(lock, os.O_RDWR | os.O_CREAT, 0o600))
+                else:  # the writer's lock files or none: a lock file made here would lock nothing
+                    self._lock_fds.append(os.open(locate(lock), os.O_RDWR))
+        except BaseException:
+            for lock_fd in getattr(self, "_lock_fds", []):
+                os.close(lock_fd)
+            os.close(fd)
+            if create:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(where)
+            raise
+        self.fd = fd
 
     # -- reads
     @property
@@ -268,13 +383,18 @@ class VersionControl:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def paths(self) -> list[str]:
+        return [self.path] + [_lock_path(self.path, i) for i in range(self.num_slots)]
+
     def close(self, *, unlink: bool = False) -> None:
-        for fd in self._lock_fds:
+        """Close the descriptors (which lets go of the control block's lock); `unlink`: remove the files too
+        (their owner only)."""
+        for fd in [*self._lock_fds, *([self.fd] if self.fd is not None else [])]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._lock_fds = []
+        self._lock_fds, self.fd = [], None
         if unlink:
-            for p in [self.path] + [f"{self.path}.slot{i}.lock" for i in range(self.num_slots)]:
+            for p in self.paths():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
 
@@ -285,44 +405,51 @@ class VersionControl:
 
 @dataclass(frozen=True)
 class SharedBufferHandle:
-    """Everything a receiver needs, picklable: the layout, the buffer's share handle, the control block path."""
+    """Everything a receiver needs, picklable: the layout, the buffer's share handle, the control block path, and
+    where the owner holds its files (`held`: (path, fd, st_dev, st_ino) of each file the owner keeps open)."""
 
     layout: FlatLayout
     num_slots: int
     control_path: str
     device_identity: str
     buffer: tuple  # CUDA: torch.multiprocessing's (rebuild_fn, args) of the flat buffer; CPU: ("shm", path, size)
+    owner_pid: int = 0  # the sender's process (trainer rank 0)
+    held: tuple = ()
+
+    def locate(self, path: str) -> str:
+        """Where to open the owner's file `path`: the path while it names the owner's file; else the owner's own
+        descriptor of it (/proc/<owner pid>/fd/<fd>, the same inode), while the owner lives. A file that is gone
+        from both is an error that says so (a FileNotFoundError naming the owner)."""
+        entry = next((h for h in self.held if h[0] == path), None)
+        if entry is None:  # not a file the owner holds open (a handle from before `held`): the path as it is
+            return path
+        _, fd, dev, ino = entry
+        candidates = [path, f"/proc/{self.owner_pid}/fd/{fd}"]
+        for candidate in candidates:
+            with contextlib.suppress(OSError):
+                st = os.stat(candidate)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    return candidate
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"the shared weight buffer's file {path} is gone, and its owner (trainer rank 0, pid {self.owner_pid}) "
+            "no longer holds it open: the trainer process has exited (or runs in a pid namespace this process "
+            "cannot see)",
+            path,
+        )
 
 
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _owned_file(path: str, fd: int) -> tuple[str, int, int, int]:
+    st = os.fstat(fd)
+    return (path, fd, st.st_dev, st.st_ino)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def remove_stale_files(directory: str | None = None) -> list[str]:
-    """Unlink the shared-buffer files (`meshrl-wsync-<pid>-...`) whose creating process is gone: a trainer or a
-    controller killed with SIGKILL cannot clean up after itself. Files of live processes are left alone (a
-    recycled pid only means a stale file is kept). Returns the removed paths."""
-    directory = directory or shm_dir()
-    removed = []
-    for name in os.listdir(directory):
-        m = re.match(r"meshrl-wsync-(\d+)-", name)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
+def _remove_owned(owner_pid: int, paths: tuple[str, ...]) -> None:
+    if os.getpid() != owner_pid:  # a forked child inherits the finalizer, not the files
+        return
+    for p in paths:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
-    return removed
+            os.unlink(p)
 
 
 @dataclass
@@ -336,27 +463,51 @@ class PublishStats:
 
 class SharedBufferSender:
     """Trainer side: the flat buffer (`num_slots` slots of `layout.nbytes`, one allocation, so one IPC handle)
-    and the control block. Keep it alive as long as any generator uses the handle."""
+    and the control block. Keep it alive as long as any generator uses the handle. Its files go when it is
+    closed or collected, or when its process exits normally; a killed owner's go at the controller's shutdown
+    or at the next start (`remove_stale_files`)."""
 
-    def __init__(self, layout: FlatLayout, device: str | torch.device, *, num_slots: int = 2) -> None:
+    def __init__(self, layout: FlatLayout, device: str | torch.device, *, num_slots: int = DEFAULT_SLOTS) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots} must be >= 1")
         self.layout, self.num_slots, self.device = layout, int(num_slots), torch.device(device)
-        base = os.path.join(shm_dir(), f"meshrl-wsync-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.owner_pid = os.getpid()
+        directory = shm_dir()
+        base = os.path.join(directory, f"meshrl-wsync-{self.owner_pid}-{uuid.uuid4().hex[:12]}")
         size = self.num_slots * layout.nbytes
-        if self.device.type == "cuda":
-            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            from torch.multiprocessing.reductions import reduce_tensor
+        on_gpu = self.device.type == "cuda"
+        self._buf_fd: int | None = None
+        self._shm_path: str | None = None
+        self.control = VersionControl(base + ".ctl", self.num_slots, create=True)  # first: it marks the run live
+        try:
+            if on_gpu:
+                self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                from torch.multiprocessing.reductions import reduce_tensor
 
-            buffer_share: tuple = reduce_tensor(self.buffer)
-        else:  # CPU: a shared-memory file both processes map
-            self._shm_path = base + ".buf"
-            self.buffer = torch.from_file(self._shm_path, shared=True, size=size, dtype=torch.uint8)
-            buffer_share = ("shm", self._shm_path, size)
-        self.control = VersionControl(base + ".ctl", self.num_slots, create=True)
+                buffer_share: tuple = reduce_tensor(self.buffer)
+            else:  # CPU: a shared-memory file both processes map
+                self._shm_path = base + ".buf"
+                self._buf_fd = os.open(self._shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fcntl.flock(self._buf_fd, fcntl.LOCK_SH)
+                os.ftruncate(self._buf_fd, size)
+                self.buffer = torch.from_file(self._shm_path, shared=True, size=size, dtype=torch.uint8)
+                buffer_share = ("shm", self._shm_path, size)
+        except BaseException:
+            self.control.close(unlink=True)
+            if self._buf_fd is not None:
+                os.close(self._buf_fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._shm_path)
+            raise
+        held = [_owned_file(self.control.path, self.control.fd)]
+        held += [_owned_file(p, fd) for p, fd in zip(self.control.paths()[1:], self.control._lock_fds, strict=True)]
+        if self._buf_fd is not None:
+            held.append(_owned_file(self._shm_path, self._buf_fd))
         self._handle = SharedBufferHandle(
-            layout, self.num_slots, self.control.path, device_identity(self.device), buffer_share
-        )
+            layout, self.num_slots, self.control.path, device_identity(self.device), buffer_share,
+            owner_pid=self.owner_pid, held=tuple(held),
+        )  # fmt: skip
+        self._remove_files = weakref.finalize(self, _remove_owned, self.owner_pid, tuple(h[0] for h in held))
 
     @classmethod
     def for_state_dict(
@@ -365,7 +516,7 @@ class SharedBufferSender:
         device: str | torch.device,
         *,
         dtype: torch.dtype | None = None,
-        num_slots: int = 2,
+        num_slots: int = DEFAULT_SLOTS,
     ) -> SharedBufferSender:
         return cls(FlatLayout.of(state_dict, dtype), device, num_slots=num_slots)
 
@@ -397,19 +548,22 @@ class SharedBufferSender:
         return self.control.latest
 
     def close(self) -> None:
-        """Remove the control block (and the CPU buffer's file). Receivers must be done with the handle."""
-        self.control.close(unlink=True)
-        if self.device.type != "cuda":
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._shm_path)
+        """Remove the files (control block, locks, the CPU buffer's) and close them. Receivers that attached
+        keep working; new ones can no longer attach."""
+        self._remove_files()
+        self.control.close()
+        if self._buf_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._buf_fd)
+            self._buf_fd = None
 
 
 def remove_shared_files(handle: SharedBufferHandle) -> None:
     """Unlink the host files behind `handle` (control block, slot locks, a CPU buffer's /dev/shm file). Processes
     that already mapped or opened them keep working (POSIX keeps unlinked files alive while in use); only new
-    receivers can no longer open the handle. For the owner of a sender that it cannot `close()` itself (the
-    trainer actor: the sender lives inside `Policy`), at the end of the run."""
-    paths = [handle.control_path] + [f"{handle.control_path}.slot{i}.lock" for i in range(handle.num_slots)]
+    receivers can no longer open the handle. For the controller at the end of its run, once it has stopped the
+    trainer (which may have been SIGKILLed and never removed them itself) — never while the run goes on."""
+    paths = [handle.control_path] + [_lock_path(handle.control_path, i) for i in range(handle.num_slots)]
     if handle.buffer[0] == "shm":
         paths.append(handle.buffer[1])
     for p in paths:
@@ -422,19 +576,25 @@ class WeightLoader(Protocol):
 
 
 class SharedBufferReceiver:
-    """Generator side: opens the handle once (one IPC open), builds the name -> view maps of every slot once."""
+    """Generator side: opens the handle once (one IPC open), builds the name -> view maps of every slot once.
+    Holds the control block's shared lock while open (the run is live), and finds the owner's files wherever the
+    owner still holds them (`SharedBufferHandle.locate`)."""
 
     def __init__(self, handle: SharedBufferHandle) -> None:
         self.handle, self.layout = handle, handle.layout
-        kind = handle.buffer[0]
-        if kind == "shm":
-            _, path, size = handle.buffer
-            self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        else:
-            rebuild, args = handle.buffer
-            self.buffer = rebuild(*args)  # cudaIpcOpenMemHandle, once
+        self.control = VersionControl(handle.control_path, handle.num_slots, create=False, locate=handle.locate)
+        try:
+            kind = handle.buffer[0]
+            if kind == "shm":
+                _, path, size = handle.buffer
+                self.buffer = torch.from_file(handle.locate(path), shared=True, size=size, dtype=torch.uint8)
+            else:
+                rebuild, args = handle.buffer
+                self.buffer = rebuild(*args)  # cudaIpcOpenMemHandle, once
+        except BaseException:
+            self.control.close()
+            raise
         self.device = self.buffer.device
-        self.control = VersionControl(handle.control_path, handle.num_slots, create=False)
         n = self.layout.nbytes
         self._views = [self.layout.views(self.buffer[i * n : (i + 1) * n]) for i in range(handle.num_slots)]
 
@@ -484,6 +644,7 @@ class SharedBufferReceiver:
 
 __all__ = [
     "ALIGN",
+    "DEFAULT_SLOTS",
     "SharedBufferHandle",
     "SharedBufferReceiver",
     "SharedBufferSender",
@@ -495,4 +656,6 @@ __all__ = [
     "choose_transport",
     "device_identity",
     "remove_shared_files",
+    "remove_stale_files",
+    "shm_dir",
 ]
