@@ -243,7 +243,72 @@ def test_stale_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
     assert live.exists() and other.exists() and not any(p.exists() for p in stale)
 
 
-# ---- faults: files removed under a live run, stale files (issue 31, items 11 and 13) ------------------------------
+# ---- faults: a full /dev/shm, files removed under a live run, stale files (issue 31, items 11, 12 and 13) -----------
+
+
+def _big_state_dict() -> dict[str, torch.Tensor]:
+    return {"model.embed_tokens.weight": torch.zeros(768, 1024), "model.norm.weight": torch.ones(1024)}  # ~3 MiB
+
+
+def _files_of(pid: int, directory: str) -> set[str]:
+    import glob
+    import os
+
+    return set(glob.glob(os.path.join(directory, f"meshrl-wsync-{pid}-*")))
+
+
+def test_a_full_shm_is_said_before_anything_is_written(monkeypatch):
+    """A /dev/shm with 1 MB free and a buffer of ~6 MiB: the sender refuses before it creates a file, with the free
+    space, the need and what to do — instead of the SIGBUS of the first publish. Stand-in: the free-space reader is
+    patched to say 1 MB (making /dev/shm small needs a mount namespace: the real 1 MiB tmpfs is
+    test_a_one_megabyte_shm_is_a_message_not_a_sigbus)."""
+    import errno
+    import os
+    import re
+
+    from meshrl.weight_sync import shared_buffer
+    from meshrl.weight_sync.shared_buffer import ShmSpaceError, shm_dir
+
+    monkeypatch.setattr(shared_buffer, "shm_free_bytes", lambda directory=None: 1_000_000)
+    before = _files_of(os.getpid(), shm_dir())
+    with pytest.raises(ShmSpaceError) as caught:
+        SharedBufferSender.for_state_dict(_big_state_dict(), "cpu", dtype=torch.float32)
+    message = str(caught.value)
+    assert re.fullmatch(
+        rf"{re.escape(shm_dir())} has 976\.6 KiB free, the weights need 6\.0 MiB \(2 slot\(s\) of 3\.0 MiB, and "
+        r"1\.0 MiB kept free\); enlarge it \(--shm-size for containers\) or use --generator\.weight-sync torchstore",
+        message,
+    ), message
+    assert caught.value.errno == errno.ENOSPC  # an OSError of a full device, for whoever tells those apart
+    assert _files_of(os.getpid(), shm_dir()) == before  # nothing made, nothing left behind
+
+
+def test_the_launch_check_refuses_shm_and_auto_falls_back_to_torchstore(monkeypatch):
+    """The same check on the controller, at launch, from the parameter count: an explicit 'shm' or 'cuda_ipc' that
+    does not fit is a ConfigError with the message; 'auto' falls back to torchstore and prints a note. Stand-in:
+    the free-space reader is patched to say 1 MB, then 1 GB."""
+    from meshrl.errors import ConfigError
+    from meshrl.weight_sync import shared_buffer
+    from meshrl.weight_sync.transport import resolve_transport, weight_nbytes
+
+    cpu, gpu = "cpu@host1", "cuda:GPU-aaaa@host1"
+    weights = weight_nbytes(297_600, "float32")
+    notes: list[str] = []
+    monkeypatch.setattr(shared_buffer, "shm_free_bytes", lambda directory=None: 1_000_000)
+    with pytest.raises(ConfigError, match=r"'shm': .* has 976\.6 KiB free, the weights need 2\.3 MiB .*enlarge it "
+                       r"\(--shm-size for containers\) or use --generator\.weight-sync torchstore"):  # fmt: skip
+        resolve_transport("shm", cpu, [cpu], weight_bytes=weights)
+    with pytest.raises(ConfigError, match=r"'cuda_ipc': .* the CUDA IPC transport's control files need 4\.0 KiB"):
+        resolve_transport("cuda_ipc", gpu, [gpu])
+    assert resolve_transport("auto", gpu, [gpu], weight_bytes=weights, note=notes.append) == "torchstore"
+    assert len(notes) == 1 and "976.6 KiB free" in notes[0] and "'auto' uses torchstore instead of cuda_ipc" in notes[0]
+    assert resolve_transport("torchstore", cpu, [cpu], weight_bytes=weights) == "torchstore"  # needs no /dev/shm
+
+    monkeypatch.setattr(shared_buffer, "shm_free_bytes", lambda directory=None: 1 << 30)
+    assert resolve_transport("shm", cpu, [cpu], weight_bytes=weights) == "shm"
+    assert resolve_transport("auto", gpu, [gpu], weight_bytes=weights, note=notes.append) == "cuda_ipc"
+    assert len(notes) == 1
+    assert weight_nbytes(10, "bfloat16") == 20
 
 
 def test_a_new_receiver_attaches_after_another_closed_and_loads_the_current_version():
@@ -351,3 +416,49 @@ def test_stale_files_are_those_of_runs_whose_processes_are_all_gone(tmp_path, mo
         sender.close()
     assert sorted(remove_stale_files(str(tmp_path))) == sorted(attached)  # the last process of that run let go
     assert os.listdir(tmp_path) == ["something-else"]
+
+
+_ONE_MIB_SHM = textwrap.dedent(
+    """
+    import os, sys, torch
+    from meshrl.weight_sync import shared_buffer
+    from meshrl.weight_sync.shared_buffer import SharedBufferSender, ShmSpaceError
+    sd = {"w": torch.ones(768, 1024)}  # 3 MiB in float32, two slots
+    if sys.argv[1] == "bare":  # what the buffer did before: map a file /dev/shm cannot fill, then write
+        t = torch.from_file("/dev/shm/meshrl-wsync-bare.buf", shared=True, size=3 << 20, dtype=torch.uint8)
+        t.fill_(1)
+    if sys.argv[1] == "lying":  # the check passed, and the space went before the allocation
+        shared_buffer.buffer_space_problem = lambda *args, **kwargs: None
+    try:
+        SharedBufferSender.for_state_dict(sd, "cpu", dtype=torch.float32)
+    except ShmSpaceError as e:
+        print(e)
+    print(sorted(os.listdir("/dev/shm")))
+    """
+)
+
+
+def _in_one_mib_shm(mode: str) -> subprocess.CompletedProcess:
+    script = f'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c "$0" {mode}'
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, _ONE_MIB_SHM], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_one_megabyte_shm_is_a_message_not_a_sigbus():
+    """The probe's fault for real: a 1 MiB tmpfs on /dev/shm, in a private mount namespace (`unshare -rm`). Mapping
+    a buffer it cannot fill and writing is a SIGBUS (what the run died of: `Killed(sig=7)`); the sender says
+    '/dev/shm has 1.0 MiB free, the weights need 6.0 MiB ...' instead and leaves no file — also when the free
+    space looked sufficient and went before the allocation (every page is allocated up front)."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a private mount namespace (unshare -rm)")
+    bare = _in_one_mib_shm("bare")
+    assert bare.returncode == -7, (bare.returncode, bare.stderr[-2000:])  # SIGBUS
+    for mode in ("checked", "lying"):
+        out = _in_one_mib_shm(mode)
+        assert out.returncode == 0, out.stderr[-2000:]
+        message, files = out.stdout.strip().splitlines()
+        free = "1.0 MiB" if mode == "checked" else "1020.0 KiB"  # the control block's page is taken by then
+        assert message.startswith(f"/dev/shm has {free} free, the weights need 6.0 MiB"), message
+        assert message.endswith("enlarge it (--shm-size for containers) or use --generator.weight-sync torchstore")
+        assert files == "[]", files

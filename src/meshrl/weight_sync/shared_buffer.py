@@ -39,6 +39,15 @@ Who holds the files, and who may remove them (`meshrl-wsync-<owner pid>-<id>.ctl
 - If the names are removed anyway while the trainer lives (a foreign sweeper, systemd-logind's RemoveIPC, `rm`),
   a new receiver (a replacement generator) opens the same files through the sender's descriptors,
   /proc/<owner pid>/fd/<fd>, checked by inode (`SharedBufferHandle.held`).
+
+A /dev/shm too small for the buffer would be a SIGBUS at the first copy into it (tmpfs pages are allocated on
+first touch). The sender checks the free space first and allocates every page up front (`posix_fallocate`), so a
+full /dev/shm is a `ShmSpaceError` naming the free space, the need and what to do; the controller checks the same
+at launch from the parameter count (`meshrl.weight_sync.transport.resolve_transport`).
+
+`choose_transport` picks "cuda_ipc" when trainer and generator sit on the same physical CUDA device (compared
+by device UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore"
+otherwise. No Monarch in here: the actors pass `SharedBufferHandle` (picklable) through their endpoints.
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ ALIGN = 256
 
 DEFAULT_SLOTS = 2
 """Slots of the buffer (double buffering); `num_slots` of SharedBufferSender."""
+SHM_HEADROOM_BYTES = 1 << 20
+"""Free space a shared-memory directory must keep beyond the buffer (other users of /dev/shm, page rounding)."""
 
 _MAGIC = 0x6D65736872_6C  # "meshrl"
 _WRITING = -1  # a slot being written (never a version)
@@ -211,6 +222,80 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+_CONTROL_BYTES = mmap.PAGESIZE
+"""Host memory of a control block (one page); its slot-lock files are empty."""
+
+
+class ShmSpaceError(OSError):
+    """The shared-memory directory has no room for the weight buffer (errno ENOSPC): said before anything is
+    written, instead of a SIGBUS at the first copy into a mapping whose pages tmpfs cannot allocate."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+
+
+def shm_free_bytes(directory: str | None = None) -> int:
+    """Bytes an unprivileged process can still allocate in `directory` (default: `shm_dir()`)."""
+    st = os.statvfs(directory or shm_dir())
+    return st.f_bavail * st.f_frsize
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def shm_space_problem(
+    nbytes: int, *, directory: str | None = None, what: str = "the weights", detail: str = ""
+) -> str | None:
+    """None when `directory` (default: `shm_dir()`) can hold `nbytes` more and keep SHM_HEADROOM_BYTES free; else
+    the sentence that says so: '<dir> has X free, the weights need Y; enlarge it ... or use ... torchstore'."""
+    directory = directory or shm_dir()
+    free = shm_free_bytes(directory)
+    if free >= nbytes + SHM_HEADROOM_BYTES:
+        return None
+    return (
+        f"{directory} has {format_bytes(free)} free, {what} need {format_bytes(nbytes)}{detail}; enlarge it "
+        "(--shm-size for containers) or use --generator.weight-sync torchstore"
+    )
+
+
+def buffer_space_problem(
+    slot_nbytes: int, num_slots: int = DEFAULT_SLOTS, *, directory: str | None = None
+) -> str | None:
+    """`shm_space_problem` for the 'shm' transport's buffer: `num_slots` slots of `slot_nbytes`, and its control
+    block."""
+    detail = f" ({num_slots} slot(s) of {format_bytes(slot_nbytes)}, and {format_bytes(SHM_HEADROOM_BYTES)} kept free)"
+    return shm_space_problem(num_slots * slot_nbytes + _CONTROL_BYTES, directory=directory, detail=detail)
+
+
+def control_space_problem(*, directory: str | None = None) -> str | None:
+    """`shm_space_problem` for the 'cuda_ipc' transport, whose buffer is GPU memory: its control files only."""
+    return shm_space_problem(_CONTROL_BYTES, directory=directory, what="the CUDA IPC transport's control files")
+
+
+def _allocate(fd: int, nbytes: int, path: str, *, what: str = "the weights") -> None:
+    """Give the file its pages now. tmpfs allocates a page at its first touch, so a mapping of a file that
+    /dev/shm cannot fill is a SIGBUS at some later write; allocated here, it is ENOSPC at once, with words."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            directory = os.path.dirname(path)
+            raise ShmSpaceError(
+                f"{directory} has {format_bytes(shm_free_bytes(directory))} free, {what} need "
+                f"{format_bytes(nbytes)}; enlarge it (--shm-size for containers) or use --generator.weight-sync "
+                "torchstore"
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: size it at least
+            raise
+        os.ftruncate(fd, nbytes)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -300,7 +385,7 @@ class VersionControl:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if create:
-                os.ftruncate(fd, nbytes)
+                _allocate(fd, nbytes, path, what="the weight buffer's control block")
             self._mm = mmap.mmap(fd, nbytes)
             self._arr = np.ndarray((_HDR + self.num_slots,), dtype=np.int64, buffer=self._mm)
             if create:
@@ -476,6 +561,13 @@ class SharedBufferSender:
         base = os.path.join(directory, f"meshrl-wsync-{self.owner_pid}-{uuid.uuid4().hex[:12]}")
         size = self.num_slots * layout.nbytes
         on_gpu = self.device.type == "cuda"
+        # Before anything is made: a /dev/shm without room is a sentence, not a SIGBUS at the first publish.
+        if on_gpu:
+            problem = control_space_problem(directory=directory)
+        else:
+            problem = buffer_space_problem(layout.nbytes, self.num_slots, directory=directory)
+        if problem:
+            raise ShmSpaceError(problem)
         self._buf_fd: int | None = None
         self._shm_path: str | None = None
         self.control = VersionControl(base + ".ctl", self.num_slots, create=True)  # first: it marks the run live
@@ -485,11 +577,11 @@ class SharedBufferSender:
                 from torch.multiprocessing.reductions import reduce_tensor
 
                 buffer_share: tuple = reduce_tensor(self.buffer)
-            else:  # CPU: a shared-memory file both processes map
+            else:  # CPU: a shared-memory file both processes map, every page allocated now
                 self._shm_path = base + ".buf"
                 self._buf_fd = os.open(self._shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 fcntl.flock(self._buf_fd, fcntl.LOCK_SH)
-                os.ftruncate(self._buf_fd, size)
+                _allocate(self._buf_fd, size, self._shm_path)
                 self.buffer = torch.from_file(self._shm_path, shared=True, size=size, dtype=torch.uint8)
                 buffer_share = ("shm", self._shm_path, size)
         except BaseException:
@@ -645,6 +737,8 @@ class SharedBufferReceiver:
 __all__ = [
     "ALIGN",
     "DEFAULT_SLOTS",
+    "SHM_HEADROOM_BYTES",
+    "ShmSpaceError",
     "SharedBufferHandle",
     "SharedBufferReceiver",
     "SharedBufferSender",
@@ -655,7 +749,12 @@ __all__ = [
     "WeightVersionUnavailable",
     "choose_transport",
     "device_identity",
+    "buffer_space_problem",
+    "control_space_problem",
+    "format_bytes",
     "remove_shared_files",
     "remove_stale_files",
     "shm_dir",
+    "shm_free_bytes",
+    "shm_space_problem",
 ]

@@ -12,15 +12,20 @@ publisher / subscriber pairs of `pubsub.py`. No Monarch in here: the controller 
   go through the shared-buffer path of the actors for real.
 - 'auto': 'cuda_ipc' when every generator sits on trainer rank 0's GPU (compared by device UUID), else
   'torchstore'. It never picks 'shm': CPU runs keep torchstore unless 'shm' is asked for.
+
+Both shared-buffer transports keep files in /dev/shm ('shm' the whole buffer, 'cuda_ipc' a page of control
+block), and a /dev/shm without room for them ends a run with a SIGBUS at the first push. So the choice checks the
+free space at launch: an explicit choice that does not fit is a ConfigError that says how much is free and needed
+and what to do; 'auto' falls back to torchstore with a note.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from meshrl.errors import ConfigError
 from meshrl.generation.config import WEIGHT_SYNC_TRANSPORTS
-from meshrl.weight_sync.shared_buffer import choose_transport
+from meshrl.weight_sync.shared_buffer import buffer_space_problem, choose_transport, control_space_problem
 
 SHARED_BUFFER_TRANSPORTS = ("cuda_ipc", "shm")
 """Transports that go through the trainer's flat buffer (a handle is sent to the generators once)."""
@@ -32,17 +37,44 @@ def _host(identity: str) -> str:
     return identity.rsplit("@", 1)[-1]
 
 
-def resolve_transport(requested: str, trainer: str, generators: Sequence[str]) -> str:
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_nbytes(num_params: int, dtype: str) -> int:
+    """Bytes of `num_params` weights in the generator's `dtype` (what one version of the shared buffer holds, but
+    for alignment and weights the state dict repeats, such as a tied output embedding: the trainer checks the
+    exact size again before it allocates)."""
+    return int(num_params) * _DTYPE_BYTES[str(dtype).removeprefix("torch.")]
+
+
+def resolve_transport(
+    requested: str,
+    trainer: str,
+    generators: Sequence[str],
+    *,
+    weight_bytes: int | None = None,
+    note: Callable[[str], None] = print,
+) -> str:
     """The transport to run with. `trainer`: the `shared_buffer.device_identity` of trainer rank 0 (the rank that
     publishes); `generators`: those of every generator. An explicit shared-buffer transport that cannot work
-    with this placement is a `ConfigError` naming what to set instead."""
+    with this placement is a `ConfigError` naming what to set instead.
+
+    The shared memory a shared-buffer transport needs is checked here, at launch: `weight_bytes` (one version in
+    the generator dtype, `weight_nbytes`) for 'shm', a control block for 'cuda_ipc'. Too little: an explicit
+    choice is a ConfigError ('/dev/shm has X free, the weights need Y; enlarge it ... or use ... torchstore'),
+    'auto' falls back to torchstore and says so through `note`."""
     if requested not in WEIGHT_SYNC_TRANSPORTS:
         raise ConfigError(f"generator.weight_sync={requested!r}; use one of {list(WEIGHT_SYNC_TRANSPORTS)}")
     if requested == "torchstore" or not generators:
         return "torchstore"
     same_gpu = all(choose_transport(trainer, g) == "cuda_ipc" for g in generators)
     if requested == "auto":
-        return "cuda_ipc" if same_gpu else "torchstore"
+        if not same_gpu:
+            return "torchstore"
+        if problem := control_space_problem():
+            note(f"[meshrl] weight sync: {problem.split('; ')[0]}: 'auto' uses torchstore instead of cuda_ipc")
+            return "torchstore"
+        return "cuda_ipc"
     if requested == "cuda_ipc" and not same_gpu:
         elsewhere = sorted({g for g in generators if g != trainer})
         raise ConfigError(
@@ -62,6 +94,10 @@ def resolve_transport(requested: str, trainer: str, generators: Sequence[str]) -
                 f"generator.weight_sync='shm' needs the generators on the trainer's host ({_host(trainer)}), but "
                 f"some run on {other_hosts}; set --generator.weight-sync torchstore"
             )
+        if weight_bytes is not None and (problem := buffer_space_problem(weight_bytes)):
+            raise ConfigError(f"generator.weight_sync='shm': {problem}")
+    if requested == "cuda_ipc" and (problem := control_space_problem()):
+        raise ConfigError(f"generator.weight_sync='cuda_ipc': {problem}")
     return requested
 
 
@@ -75,4 +111,4 @@ def describe_transport(transport: str, trainer: str, generators: Sequence[str]) 
     return f"weight sync: {transport} ({where})"
 
 
-__all__ = ["DEFAULT_STORE", "SHARED_BUFFER_TRANSPORTS", "describe_transport", "resolve_transport"]
+__all__ = ["DEFAULT_STORE", "SHARED_BUFFER_TRANSPORTS", "describe_transport", "resolve_transport", "weight_nbytes"]
