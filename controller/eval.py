@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from meshrl.config import EvalRunConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.grpo import describe_eval
+from meshrl.controller.process import prepare_process
+from meshrl.controller.provision import Provisioner
 from meshrl.controller.rollouts import EnvRollout, SingleTurnRollout, evaluate
 from meshrl.errors import ConfigError, DataError
 from meshrl.preflight import check_run_inputs
@@ -55,19 +57,9 @@ def main(
         f"{0 if setup.rewards is None else cfg.scoring.num_procs} reward processes",
         flush=True,
     )
-    with Controller(
-        model_dir=cfg.model.path,
-        model_cfg=cfg.model,
-        trainer_cfg=None,
-        generator_cfg=cfg.generator,
-        rewards=setup.rewards,
-        tokenizer=setup.renderer.tokenizer,
-        seed=cfg.run.seed,
-        call_timeout_s=cfg.run.call_timeout_s,
-        max_restarts=cfg.run.max_restarts,
-        heartbeat_s=cfg.run.heartbeat_s,
-        placement=cfg.placement,
-    ) as ctl:
+    prepare_process()  # then the generator and reward processes placed (cfg.placement) and started; no trainer
+    provision = Provisioner(cfg.placement)
+    with Controller.start(cfg, rewards=setup.rewards, tokenizer=setup.renderer.tokenizer, provision=provision) as ctl:
         record = evaluate(
             ctl, setup, cfg.eval, max_tokens=max_tokens, temperature=cfg.generator.temperature,
             top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, source=source,

@@ -19,7 +19,6 @@ the run exactly where it was (same prompts, same samples, same updates).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 import sys
@@ -35,6 +34,8 @@ from meshrl.checkpoint import rng_state, set_rng_state
 from meshrl.config import GRPORunConfig, LogConfig
 from meshrl.controller.api import Controller
 from meshrl.controller.memory import MemoryHandoff
+from meshrl.controller.process import prepare_process
+from meshrl.controller.provision import Provisioner
 from meshrl.controller.rollouts import AheadSchedule, EnvRollout, Rollouts, SingleTurnRollout
 from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import attach_reference_logprobs, train_step
@@ -250,23 +251,14 @@ def main(
         run.log({"phase": "eval", "when": when, "step": step, **record})
         return record
 
-    generator_cfg = cfg.generator
-    if generator_cfg.nice is None:  # the asynchronous loop on CPU: trainer ranks first, generation in the gaps
-        nice = 10 if cfg.grpo.max_staleness and cfg.trainer.device == "cpu" else 0
-        generator_cfg = dataclasses.replace(generator_cfg, nice=nice)
+    # The processes: this one prepared, every role's placed (cfg.placement), then started. The asynchronous loop
+    # (--grpo.max-staleness K) is the Controller's mode from the start: K + 1 weight versions kept, generators that
+    # end the run when they fail (rounds in flight wait on their weights version: resume instead).
+    prepare_process()
+    provision = Provisioner(cfg.placement)
     with ckpts.starting():  # a host lost while the processes start ends the run with the resume hint
-        ctl = Controller(
-            model_dir=model_dir,
-            model_cfg=cfg.model,
-            trainer_cfg=cfg.trainer,
-            generator_cfg=generator_cfg,
-            rewards=setup.rewards,
-            tokenizer=setup.renderer.tokenizer,
-            seed=cfg.run.seed,
-            call_timeout_s=cfg.run.call_timeout_s,
-            max_restarts=cfg.run.max_restarts,
-            heartbeat_s=cfg.run.heartbeat_s,
-            placement=cfg.placement,
+        ctl = Controller.start(
+            cfg, model_dir=model_dir, rewards=setup.rewards, tokenizer=setup.renderer.tokenizer, provision=provision
         )
     handoff = memory_handoff(ctl, cfg)
     rollouts = Rollouts(ctl, setup, source, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
@@ -310,8 +302,6 @@ def main(
         if ref_dir is not None:
             ctl.start_reference(ref_dir, num_procs=cfg.grpo.reference_procs)
         if cfg.grpo.max_staleness:
-            ctl.versions_kept = cfg.grpo.max_staleness + 1
-            ctl.generators.replaceable = False  # rounds in flight wait on their weights version: resume instead
             ahead = AheadSchedule(rollouts, max_staleness=cfg.grpo.max_staleness, total_steps=cfg.grpo.steps)
             if resumed:
                 ahead.restore(resumed.get("rollouts", {}))

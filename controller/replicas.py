@@ -66,7 +66,8 @@ class Replica:
 class ReplicaPool:
     """`num` replicas of one role. `spawn(i)` -> (procs, actor) starts replica i; `setup`: the endpoint each new
     replica is set up with (its return value is `info(i)`); `bring_up(i)`: called after a replacement's setup, to
-    give it the run's state. `poll_s`: how often an outstanding call checks its replica's heartbeat."""
+    give it the run's state; `replaceable` False: a failed replica ends the run instead. `poll_s`: how often an
+    outstanding call checks its replica's heartbeat."""
 
     def __init__(
         self,
@@ -78,14 +79,16 @@ class ReplicaPool:
         timeout_s: float,
         heartbeat_s: float,
         setup: str | None = None,
+        bring_up: Callable[[int], None] | None = None,
+        replaceable: bool = True,
         poll_s: float = 1.0,
     ) -> None:
         self.role, self._spawn_fn, self.setup_endpoint = role, spawn, setup
         self.budget, self.timeout_s, self.heartbeat_s, self.poll_s = budget, timeout_s, heartbeat_s, poll_s
-        self.bring_up: Callable[[int], None] | None = None
+        self.bring_up = bring_up
         # False: a failed replica ends the run instead (the asynchronous loop: its queued requests wait on the
         # weights version they were sent for, which a replacement may no longer be able to load).
-        self.replaceable = True
+        self.replaceable = replaceable
         self._lock = threading.Lock()
         self.replicas = [self._spawn(i) for i in range(num)]
         # Set up now, waited for in `start`: the caller builds its other meshes meanwhile (models load in parallel).

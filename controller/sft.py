@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from meshrl.config import EvalConfig, SFTRunConfig
 from meshrl.controller.api import Controller, padding_id
+from meshrl.controller.process import prepare_process
+from meshrl.controller.provision import Provisioner
 from meshrl.controller.rollouts import evaluate
 from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import eval_nll, pad_rows, train_step
@@ -103,20 +105,13 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
         f"({total / steps_per_epoch:.2f} epochs); run dir {run.path}"
     )
 
+    prepare_process()  # then every role's processes placed (cfg.placement) and started
+    provision = Provisioner(cfg.placement)
     with ckpts.starting():  # a host lost while the processes start ends the run with the resume hint
-        ctl = Controller(
-            model_dir=model_dir,
-            model_cfg=cfg.model,
-            trainer_cfg=cfg.trainer,
-            generator_cfg=cfg.generator if generate_eval else None,
-            rewards=setup.rewards if setup else None,
-            tokenizer=tokenizer,
-            seed=cfg.run.seed,
-            call_timeout_s=cfg.run.call_timeout_s,
-            max_restarts=cfg.run.max_restarts,
-            heartbeat_s=cfg.run.heartbeat_s,
-            placement=cfg.placement,
-        )
+        ctl = Controller.start(
+            cfg, model_dir=model_dir, rewards=setup.rewards if setup else None, tokenizer=tokenizer,
+            provision=provision, generate=generate_eval,
+        )  # fmt: skip
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
         print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
         if resumed := ckpts.restore(ctl):  # trainer model + optimiser; the data cursor below

@@ -1,9 +1,17 @@
 """The run's weight sync, controller side: one object.
 
-It resolves the transport once the processes run (`meshrl.weight_sync.transport`), makes the trainer's publisher
-and the generators' subscribers (`meshrl.weight_sync.pubsub`), hands the shared buffer's handle over once, keeps
-track of what each generator was asked to load, frees torchstore versions nobody will load again, and cleans up
-at shutdown. `Controller.sync_weights` is this object's `sync`.
+It owns the run's torchstore (opened before the generators start, closed at shutdown), resolves the transport once
+the processes run (`meshrl.weight_sync.transport`), makes the trainer's publisher and the generators' subscribers
+(`meshrl.weight_sync.pubsub`), hands the shared buffer's handle over once, keeps track of what each generator was
+asked to load, frees torchstore versions nobody will load again, and cleans up at shutdown.
+`Controller.sync_weights` is this object's `sync`.
+
+    weights = WeightSync(generator_cfg, store_name, timeout_s, versions_kept=K + 1)   # K: --grpo.max-staleness
+    weights.open_store(host=provision.host("trainer"), num_volumes=trainer_cfg.num_procs)
+    ...                                                   # the trainer and the generators start
+    weights.start(trainer, generators, trainer_identity, generator_identities)
+    weights.sync(version)                                 # every step; wait=False: the asynchronous loop
+    weights.close_store(timeout_s)                        # at shutdown; after_shutdown() once the processes are gone
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 from meshrl.controller.futures import Pending, _rank0
 from meshrl.controller.replicas import ReplicaCall, ReplicaPool
 from meshrl.weight_sync.shared_buffer import remove_shared_files
+from meshrl.weight_sync.store import init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 
 
@@ -29,25 +38,44 @@ class WeightSyncTiming:
 
 
 class WeightSync:
-    """Trainer → generators, for one Controller. `store_name`: its own torchstore (two Controllers in one process
-    never see each other's versions)."""
+    """Trainer → generators, for one Controller. `cfg`: the GeneratorConfig (`weight_sync`: the transport asked for,
+    `dtype`: what travels). `store_name`: its own torchstore (two Controllers in one process never see each other's
+    versions). `versions_kept`: torchstore versions kept while generators' loads are queued (the asynchronous loop
+    with max_staleness K keeps K + 1)."""
 
-    def __init__(self, trainer: Any, generators: ReplicaPool, dtype: str, store_name: str, timeout_s: float) -> None:
-        self.trainer, self.generators, self.dtype = trainer, generators, dtype
-        self.store_name, self.timeout_s = store_name, timeout_s
+    def __init__(self, cfg: Any, store_name: str, timeout_s: float, *, versions_kept: int = 2) -> None:
+        self.requested, self.dtype = cfg.weight_sync, cfg.dtype
+        self.store_name, self.timeout_s, self.versions_kept = store_name, timeout_s, versions_kept
+        self.trainer: Any = None  # the trainer's (watched) actor mesh and the generators' pool, from `start`
+        self.generators: ReplicaPool | None = None
         self.transport: str | None = None
         self.handle = None  # the shared buffer's handle, once attached (its files are removed at shutdown)
         self.last_synced: int | None = None
         self.loads_in_flight: list[tuple[int, list[ReplicaCall]]] = []  # sync(wait=False) loads, unconfirmed
         self.stored_versions: list[int] = []  # torchstore versions not deleted yet
-        self.versions_kept = 2  # torchstore versions kept while loads are queued (the async loop: K + 1)
 
-    def start(self, trainer_identity: str, generator_identities: list[str], requested: str) -> str:
+    def open_store(self, *, host: Any, num_volumes: int) -> None:
+        """The run's torchstore, unless the transport asked for is a shared buffer ('auto' may end up needing it):
+        `num_volumes` storage volumes on `host` (one per trainer rank, on the trainer's host: each rank puts its own
+        shards into a process of its own, next to it, and generators fetch from all of them; weight_sync/store.py).
+        Before the generators start."""
+        if self.requested not in SHARED_BUFFER_TRANSPORTS:
+            asyncio.run(init_weight_store(self.store_name, host=host, num_volumes=num_volumes))
+
+    def start(
+        self, trainer: Any, generators: ReplicaPool, trainer_identity: str, generator_identities: list[str],
+        num_params: int | None = None,
+    ) -> str:  # fmt: skip
         """Resolve `generator.weight_sync` against where the processes run (trainer rank 0 publishes) and make the
-        trainer's publisher. Shared-buffer transports hand the buffer to the generators at the first sync."""
-        from meshrl.weight_sync.transport import describe_transport, resolve_transport
+        trainer's publisher. Shared-buffer transports hand the buffer to the generators at the first sync.
+        `num_params`: the model's, to check at launch that /dev/shm can hold a shared buffer of the weights."""
+        from meshrl.weight_sync.transport import describe_transport, resolve_transport, weight_nbytes
 
-        self.transport = resolve_transport(requested, trainer_identity, generator_identities)
+        self.trainer, self.generators = trainer, generators
+        weight_bytes = None if num_params is None else weight_nbytes(num_params, self.dtype)
+        self.transport = resolve_transport(
+            self.requested, trainer_identity, generator_identities, weight_bytes=weight_bytes
+        )
         Pending(
             [self.trainer.set_weight_sync.call(self.transport, self.store_name)], _rank0, self.timeout_s,
             "set_weight_sync",
@@ -87,6 +115,8 @@ class WeightSync:
     def bring_up(self, i: int) -> None:
         """A replacement generator `i` (controller/replicas.py): the shared buffer's handle, and the weights the
         others were last sent (a load queued before it died is sent to it again, and loads the same version)."""
+        if self.generators is None:  # not started (no trainer): nothing was sent to the generators
+            return
         actor = self.generators.actor(i)
         if self.handle is not None:
             actor.attach_weight_buffer.call_one(self.handle).get(timeout=self.timeout_s)
@@ -126,6 +156,13 @@ class WeightSync:
         Pending(
             self.generators.send_all("attach_weight_buffer", handle), list, self.timeout_s, "attach_weight_buffer"
         ).result()
+
+    def close_store(self, timeout_s: float) -> None:
+        """Drop the torchstore and stop its volumes (best effort, at shutdown, before the processes stop)."""
+        try:
+            asyncio.run(asyncio.wait_for(shutdown_weight_store(self.store_name), timeout_s))
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
     def after_shutdown(self) -> None:
         """The trainer unlinks the buffer's files on a clean exit; a killed trainer never does (same host)."""
