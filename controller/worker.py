@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from monarch.actor import run_worker_loop_forever
 
-    from meshrl.controller.api import _export_import_path
+    from meshrl.controller.process import export_import_path
 
-    _export_import_path()  # user code named by import path imports in the processes spawned here, too
+    export_import_path()  # user code named by import path imports in the processes spawned here, too
     print(f"[meshrl] worker listening on {args.address}", flush=True)
     run_worker_loop_forever(ca="trust_all_connections", address=args.address)
 
