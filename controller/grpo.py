@@ -208,6 +208,7 @@ def main(
     """Run GRPO. `train_rows` / `eval_rows` (row dicts as in a JSONL file, or `Row`s) stand in for --data.train /
     --data.eval; `reward_fns` ({name: fn(completion, row) -> float}) add reward functions, weight 1.0 unless
     cfg.reward weighs them."""
+    # ---- The run: its directory, task, model, rubric and rollout source (no process started yet) --------------
     check_run_inputs(cfg)  # a bad checkpoint, process count or length is refused before anything else runs
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     run.add_sink(*open_sinks(cfg.log, run.path, cfg))  # every record also to TensorBoard (tb/), wandb, ...
@@ -226,6 +227,8 @@ def main(
         f"[meshrl] starting {cfg.trainer.num_procs} trainer + {cfg.generator.num_replicas} generator + "
         f"{0 if setup.rewards is None else cfg.scoring.num_procs} reward processes from {model_dir}"
     )
+
+    # ---- How it samples: the sampling parameters, the controller's randomness, checkpoints, evaluation ---------
     sampling = SamplingParams(
         max_tokens=cfg.generator.max_tokens,
         temperature=cfg.generator.temperature,
@@ -251,9 +254,8 @@ def main(
         run.log({"phase": "eval", "when": when, "step": step, **record})
         return record
 
-    # The processes: this one prepared, every role's placed (cfg.placement), then started. The asynchronous loop
-    # (--grpo.max-staleness K) is the Controller's mode from the start: K + 1 weight versions kept, generators that
-    # end the run when they fail (rounds in flight wait on their weights version: resume instead).
+    # ---- The processes: this one prepared, every role placed (cfg.placement), the Controller started ----------
+    # The asynchronous loop (--grpo.max-staleness K) is its mode from the start (controller/api.py).
     prepare_process()
     provision = Provisioner(cfg.placement)
     with ckpts.starting():  # a host lost while the processes start ends the run with the resume hint
@@ -263,12 +265,9 @@ def main(
     handoff = memory_handoff(ctl, cfg)
     rollouts = Rollouts(ctl, setup, source, sampling, cfg.grpo, dp=cfg.trainer.num_procs)
     with ctl, ckpts.resume_hint_on_failure(), run.sinks_open():
-        print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
-        print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
-        print(f"[meshrl] generator processes (pids): {[g['pid'] for g in ctl.generator_info]}", flush=True)
-        if ctl.reward is not None:
-            print(f"[meshrl] reward processes (pids): {ctl.reward.pids}", flush=True)
-        print(f"[meshrl] placement: {ctl.provision.describe()}", flush=True)
+        describe_processes(ctl)
+
+        # ---- Resume, or warm up and evaluate before RL ---------------------------------------------------------
         # Checkpoints are taken at RL steps only, after the warm-up and the before-RL evaluation: a resumed run
         # never repeats either; it reloads the trainer, the RNG, the data cursor and the before-RL result.
         if resumed := ckpts.restore(ctl):
@@ -279,22 +278,7 @@ def main(
         else:
             start = 0
             if cfg.warmup.steps:
-                print(
-                    f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
-                    "reference answers (same forward_backward/optim_step endpoints), then RL"
-                )
-                supervised_warmup(
-                    ctl,
-                    setup,
-                    cfg.warmup,
-                    micro_batch_size=cfg.trainer.micro_batch_size,
-                    optim=cfg.optim,
-                    seed=cfg.run.seed,
-                    max_len=cfg.generator.max_model_len,
-                    log=run.log,
-                    demos=source.demonstrations(setup, cfg.generator.max_model_len) if source.multi_turn else None,
-                )
-                ctl.sync_weights()
+                warm_up(ctl, cfg, setup, source, run)
             ref_dir = None
             if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
                 ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
@@ -317,6 +301,7 @@ def main(
                 **({"rollouts": ahead.state()} if ahead is not None else {}),  # rounds in flight, waited for
             }
 
+        # ---- RL steps ------------------------------------------------------------------------------------------
         recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, start_step=start)  # rollouts.jsonl
         bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
         for step in bar:
@@ -331,12 +316,59 @@ def main(
             if stopped := ckpts.after_step(ctl, done, cfg.grpo.steps, checkpoint_state):
                 return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
 
+        # ---- The end: the timeline, held-out evaluation after RL, the last checkpoint, the HF export -------------
         timeline = write_timeline(run, ctl.timeline(), rl_window=[r for r in run.read_metrics() if r["phase"] == "rl"])
         after = run_eval("after_rl", cfg.grpo.steps)
         last_ckpt = ckpts.save(ctl, cfg.grpo.steps, checkpoint_state())
         final_dir = ctl.export_hf(str(run.path / "final_model"))
+    return write_summary(run, cfg, task.name, setup.verifier, before, after, final_dir, last_ckpt, timeline)
 
-    # Over the whole run's metrics: a resumed run appended to the records of the run it continues.
+
+def describe_processes(ctl: Controller) -> None:
+    print(f"[meshrl] model: {ctl.trainer_info['num_params']:,} parameters")
+    print(f"[meshrl] trainer processes (pids): {ctl.trainer_pids}", flush=True)
+    print(f"[meshrl] generator processes (pids): {[g['pid'] for g in ctl.generator_info]}", flush=True)
+    if ctl.reward is not None:
+        print(f"[meshrl] reward processes (pids): {ctl.reward.pids}", flush=True)
+    print(f"[meshrl] placement: {ctl.provision.describe()}", flush=True)
+
+
+def warm_up(
+    ctl: Controller, cfg: GRPORunConfig, setup: TaskSetup, source: SingleTurnRollout | EnvRollout, run: RunDir
+) -> None:
+    """The supervised warm-up (--warmup.steps) on the task's reference answers (an environment's demonstrated
+    episodes), through the same endpoints as RL; the generators then serve its weights."""
+    print(
+        f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
+        "reference answers (same forward_backward/optim_step endpoints), then RL"
+    )
+    supervised_warmup(
+        ctl,
+        setup,
+        cfg.warmup,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        optim=cfg.optim,
+        seed=cfg.run.seed,
+        max_len=cfg.generator.max_model_len,
+        log=run.log,
+        demos=source.demonstrations(setup, cfg.generator.max_model_len) if source.multi_turn else None,
+    )
+    ctl.sync_weights()
+
+
+def write_summary(
+    run: RunDir,
+    cfg: GRPORunConfig,
+    task_name: str,
+    verifier: str,
+    before: dict,
+    after: dict,
+    final_dir: str,
+    last_ckpt: str,
+    timeline: str,
+) -> dict:
+    """summary.json and the closing lines, over the whole run's metrics: a resumed run appended to the records of
+    the run it continues."""
     rl = [r for r in run.read_metrics() if r.get("phase") == "rl"]
     k = min(5, len(rl))
     first = statistics.fmean(r["reward_mean"] for r in rl[:k]) if rl else float("nan")
@@ -349,7 +381,7 @@ def main(
         "eval_accuracy_after_rl": after["accuracy"],
         "eval_before_rl": {k: v for k, v in before.items() if k != "samples"},
         "eval_after_rl": {k: v for k, v in after.items() if k != "samples"},
-        "task": task.name,
+        "task": task_name,
         "warmup_steps": cfg.warmup.steps,
         "rl_steps": cfg.grpo.steps,
         "run_dir": str(run.path),
@@ -362,8 +394,8 @@ def main(
     }
     run.write_json("summary.json", summary)
     print(f"[meshrl] reward: first 5 steps {first:.3f} → last 5 steps {last:.3f} (gain {last - first:+.3f})")
-    print(f"[meshrl] held-out (correct = {setup.verifier} >= 1), before RL: {describe_eval(before)}")
-    print(f"[meshrl] held-out (correct = {setup.verifier} >= 1), after RL:  {describe_eval(after)}")
+    print(f"[meshrl] held-out (correct = {verifier} >= 1), before RL: {describe_eval(before)}")
+    print(f"[meshrl] held-out (correct = {verifier} >= 1), after RL:  {describe_eval(after)}")
     print(
         f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
         f"[meshrl] dashboard:  {summary['training_plot']}\n"
