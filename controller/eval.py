@@ -41,7 +41,10 @@ def main(
     if cfg.task in (None, "data") and (eval_rows is not None or cfg.data.eval is not None):
         # Held-out rows only: they stand in for the data task's training rows too (nothing trains here).
         source = eval_rows if eval_rows is not None else cfg.data.eval
-        task = build_data_task(cfg.data, train_rows=source, eval_rows=source)
+        from meshrl.data.roles import accepted_roles
+
+        roles = accepted_roles(cfg.model.path)  # the chat roles the model's template knows, as for grpo
+        task = build_data_task(cfg.data, train_rows=source, eval_rows=source, roles=roles)
     else:
         task = build_task(cfg)
     max_tokens = cfg.eval.max_tokens or cfg.generator.max_tokens

@@ -27,7 +27,7 @@ def supervised_warmup(
     """A short cross-entropy phase on the task's reference answers, rendered like the RL prompts (a completion
     the generator would sample), through the same forward_backward / optim_step endpoints as RL (the loss on
     response tokens only)."""
-    from tqdm import tqdm
+    from meshrl.progress import progress
 
     if demos is None:  # `demos`: given by a multi-turn run (whole demonstrated episodes)
         demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
@@ -37,7 +37,7 @@ def supervised_warmup(
             f"fits in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
         )
     rng = random.Random(seed)
-    for step in tqdm(range(cfg.steps), desc="warm-up (SFT)", unit="step"):
+    for step in progress(range(cfg.steps), desc="warm-up (SFT)", total=cfg.steps):
         data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
         # Its own peak and schedule (cosine to 10 %, no LR warm-up); weight_decay=0.0 keeps what this phase has
