@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from meshrl.advantages import compute_advantages
 from meshrl.algorithms import kl_penalties, step_loss_spec
@@ -44,6 +43,7 @@ from meshrl.data.sampler import EpochSampler
 from meshrl.metric_sinks import open_sinks
 from meshrl.plots import plot_training
 from meshrl.preflight import check_run_inputs
+from meshrl.progress import progress
 from meshrl.rollout_recorder import RolloutRecorder
 from meshrl.run_dir import RunDir, plot_rewards
 from meshrl.schedule import optim_params
@@ -303,7 +303,7 @@ def main(
 
         # ---- RL steps ------------------------------------------------------------------------------------------
         recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, start_step=start)  # rollouts.jsonl
-        bar = tqdm(range(start, cfg.grpo.steps), desc="GRPO", unit="step", initial=start, total=cfg.grpo.steps)
+        bar = progress(range(start, cfg.grpo.steps), desc="GRPO", initial=start, total=cfg.grpo.steps)
         for step in bar:
             record = rl_step(ctl, cfg, rollouts, sampler, rng, step, ahead, handoff, recorder)
             if record["phase"] == "rl":

@@ -16,8 +16,6 @@ import sys
 import time
 from typing import Any
 
-from tqdm import tqdm
-
 from meshrl.config import EvalConfig, SFTRunConfig
 from meshrl.controller.api import Controller, padding_id
 from meshrl.controller.process import prepare_process
@@ -30,6 +28,7 @@ from meshrl.metric_sinks import open_sinks
 from meshrl.models.hf_config import max_positions
 from meshrl.models.qwen3 import read_hf_config
 from meshrl.preflight import check_run_inputs
+from meshrl.progress import progress
 from meshrl.run_dir import RunDir
 from meshrl.schedule import optim_params
 from meshrl.tasks import Row, Task, build_task
@@ -130,7 +129,7 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             run.log(record)
             return record
 
-        bar = tqdm(range(start, total), desc="SFT", unit="step", initial=start, total=total)
+        bar = progress(range(start, total), desc="SFT", initial=start, total=total)
         for step in bar:
             t0 = time.perf_counter()
             indices = sampler.next_indices(cfg.sft.batch_size)
