@@ -19,15 +19,19 @@ class RewardActor(Actor):
         self.busy_log = BusyLog(f"reward:{index}")  # the run's timeline (meshrl.timeline)
 
     @endpoint
-    def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
-        """Score `completions`, `group_size` consecutive ones per row (a GRPO group shares its row)."""
+    def score(
+        self, completions: list[str], rows: list[dict], group_size: int = 1, only: str | None = None
+    ) -> list[ScoredSample]:
+        """Score `completions`, `group_size` consecutive ones per row (a GRPO group shares its row). `only`: with
+        that one reward function (Rubric.score)."""
         if group_size < 1 or len(completions) != len(rows) * group_size:
             raise ValueError(
                 f"{len(completions)} completions for {len(rows)} rows of group_size={group_size}: expected "
                 f"{len(rows) * group_size}"
             )
         with self.busy_log.busy("score"):
-            return self.rewards.score(completions, [row for row in rows for _ in range(group_size)], group_size)
+            rows = [row for row in rows for _ in range(group_size)]
+            return self.rewards.score(completions, rows, group_size, only=only)
 
     @endpoint
     def timeline(self) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import TypeVar
@@ -78,12 +79,35 @@ def _first_line(fn: object) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+class _StepBoundary:
+    """Whether a training loop will look for a stop request at its next step boundary (RunCheckpoints.after_step
+    turns this on after a run's first step and off after its last), and the SIGTERM that asked for it."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.requested: str | None = None
+
+
+STEP_BOUNDARY = _StepBoundary()
+
+
 def stop_on_sigterm() -> None:
     """A scheduler's SIGTERM (preemption, `kill`) ends the run as Ctrl-C does — actor processes stopped, shared
     weight files removed, the last checkpoint and the resume command printed — instead of Python's default of
-    dying on the spot and leaving them behind."""
+    dying on the spot and leaving them behind. Between a training run's steps (after the first, before the end of
+    the last) the step being taken is finished first and checkpointed (RunCheckpoints.after_step), so no step is
+    lost; a second SIGTERM, or Ctrl-C, stops at once."""
 
     def interrupt(signum: int, _frame: object) -> None:
+        if STEP_BOUNDARY.deferring and STEP_BOUNDARY.requested is None:
+            STEP_BOUNDARY.requested = signal.Signals(signum).name
+            # os.write, not print: a handler may run while the main thread is inside a print
+            os.write(
+                2,
+                b"[meshrl] SIGTERM: finishing the current step, then saving a checkpoint of it and stopping "
+                b"(send SIGTERM again to stop at once, from the last checkpoint)\n",
+            )
+            return
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)

@@ -12,14 +12,34 @@ T = TypeVar("T")
 
 
 class ActorDiedError(RuntimeError):
-    """An actor process of the run died (killed, OOM, crashed)."""
+    """An actor process of the run died (killed, OOM, crashed). `who`: which one, where known ("trainer rank 1
+    (pid 4242)"), else "an actor process"."""
+
+    def __init__(self, message: str, who: str = "an actor process") -> None:
+        super().__init__(message)
+        self.who = who
+
+
+class ActorFrozenError(RuntimeError):
+    """An actor process stopped answering its heartbeat: frozen or hung, not dead."""
 
 
 class Pending(Generic[T]):
-    """A result that is still being computed by one or more actors."""
+    """A result that is still being computed by one or more actors. `dead`: names the processes of those actors
+    that are gone ("trainer rank 1 (pid 4242)"; None: none found), asked when a call fails, so that a death names
+    its process, and an error raised by a survivor of a death (a collective whose peer is gone) is told as the
+    death it is."""
 
-    def __init__(self, futures: list[Any], combine: Callable[[list[Any]], T], timeout_s: float, what: str) -> None:
+    def __init__(
+        self,
+        futures: list[Any],
+        combine: Callable[[list[Any]], T],
+        timeout_s: float,
+        what: str,
+        dead: Callable[[], str | None] | None = None,
+    ) -> None:
         self._futures, self._combine, self._timeout_s, self._what = futures, combine, timeout_s, what
+        self._dead = dead
         self._value: Any = None
         self._done = False
 
@@ -33,10 +53,27 @@ class Pending(Generic[T]):
                     "is stuck or its process died"
                 ) from e
             except SupervisionError as e:
-                first_line = str(e).strip().splitlines()[-1].strip()
-                raise ActorDiedError(f"{self._what} failed because an actor process died: {first_line}") from e
+                last_line = str(e).strip().splitlines()[-1].strip()
+                who = (self._dead() if self._dead else None) or "an actor process"
+                raise ActorDiedError(f"{self._what} failed because {who} died: {last_line}", who) from e
+            except (ActorDiedError, ActorFrozenError):
+                raise
+            except Exception as e:  # an error the actor raised: its own (a full disk), or a peer's death seen by it
+                who = self._dead() if self._dead else None
+                if who is None:
+                    raise
+                raise ActorDiedError(
+                    f"{self._what} failed because {who} died (a surviving process said: "
+                    f"{type(e).__name__}: {_first_line(e)})",
+                    who,
+                ) from e
             self._value, self._done = self._combine(values), True
         return self._value
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def _rank0(values: list[Any]) -> Any:

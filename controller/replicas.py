@@ -26,7 +26,11 @@ from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from meshrl.controller.futures import ActorDiedError
+from meshrl.controller.futures import ActorDiedError, ActorFrozenError
+
+
+class ReplicaLostError(RuntimeError):
+    """A replica's process died or froze while a call waited on it (`ReplicaPool.wait`); the message says how."""
 
 
 class ReplicaFailedError(ActorDiedError):
@@ -44,12 +48,19 @@ class RestartBudget:
     def used(self) -> int:
         return len(self.events)
 
-    def spend(self, what: str, why: str) -> None:
+    def spend(self, what: str, why: str) -> dict[str, Any]:
         if self.used >= self.max_restarts:
             raise ReplicaFailedError(
                 f"{what} {why}, and the run's {self.max_restarts} replacement(s) (run.max_restarts) are spent"
             )
-        self.events.append({"what": what, "why": why, "time": time.time()})
+        event = {"what": what, "why": why, "time": time.time()}
+        self.events.append(event)
+        return event
+
+    def refund(self, events: list[dict[str, Any]]) -> None:
+        """Take back replacements that turned out to be a sample's fault, not the process's (a reward function that
+        crashes on one sample: controller/reward_pool.py)."""
+        self.events = [e for e in self.events if not any(e is r for r in events)]
 
 
 @dataclass
@@ -131,12 +142,16 @@ class ReplicaPool:
         return [self.send(i, endpoint, *args) for i in range(len(self))]
 
     def frozen(self, i: int) -> str | None:
-        """Why replica i cannot answer (None: it answers its heartbeat within heartbeat_s)."""
+        """Why replica i cannot answer (None: it answers its heartbeat within heartbeat_s of this process's own
+        running time: see `heartbeat_answers`)."""
         replica = self.replicas[i]
+        # Monarch may not have noticed a death yet: on this host, the process table tells (at once, not after
+        # heartbeat_s of silence).
+        if replica.host == socket.gethostname() and process_state(replica.pid) in (None, "Z"):
+            return "died (its process is gone)"
         try:
-            replica.heartbeat.beat.call_one().get(timeout=self.heartbeat_s)
+            heartbeat_answers(replica.heartbeat.beat.call_one, self.heartbeat_s)
         except TimeoutError:
-            # Monarch may not have noticed a death yet: on this host, the process table tells.
             if replica.host == socket.gethostname() and process_state(replica.pid) in (None, "Z"):
                 return "died (its process is gone)"
             return f"stopped answering: no heartbeat for {self.heartbeat_s:g}s (frozen or hung, not dead)"
@@ -144,19 +159,20 @@ class ReplicaPool:
             return f"died ({_last_line(e)})"
         return None
 
-    def replace(self, i: int, generation: int, why: str) -> None:
-        """Replace replica i, unless another call already did since `generation` (that one is used then)."""
+    def replace(self, i: int, generation: int, why: str, *, charge: bool = True) -> dict[str, Any] | None:
+        """Replace replica i, unless another call already did since `generation` (that one is used then). Returns
+        the restart-budget event spent (None: none; `charge` False: a replacement the budget does not pay for)."""
         with self._lock:
             old = self.replicas[i]
             if old.generation != generation:
-                return
+                return None
             what = f"{self.role} {i} (pid {old.pid})"
             if not self.replaceable:
                 raise ReplicaFailedError(f"{what} {why}; {self.role}s are not replaced in this loop: resume instead")
-            self.budget.spend(what, why)
+            event = self.budget.spend(what, why) if charge else None
+            counted = f"{self.budget.used} of run.max_restarts={self.budget.max_restarts}" if charge else "not counted"
             print(
-                f"[meshrl] {what} {why}: replacing it ({self.budget.used} of run.max_restarts="
-                f"{self.budget.max_restarts}); its requests are sent again",
+                f"[meshrl] {what} {why}: replacing it ({counted}); its requests are sent again",
                 file=sys.stderr,
                 flush=True,
             )
@@ -178,6 +194,27 @@ class ReplicaPool:
                 file=sys.stderr,
                 flush=True,
             )
+            return event
+
+    def isolate(self, call: ReplicaCall, why: str) -> Any:
+        """Called when a replacement was lost on the same request as the replica before it: the request itself
+        may be what kills the process. A pool that can split its requests answers it piece by piece
+        (RewardPool); this one returns _NOT_YET: the request is sent again whole, as any other."""
+        return _NOT_YET
+
+    def wait(self, i: int, future: Any, timeout: float | None) -> Any:
+        """`future` (a call to replica i's current process)'s value, watched as a ReplicaCall is; ReplicaLostError
+        (with why) when the process dies or freezes first. Nothing is replaced or sent again here."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                value = _get_slice(future, deadline, self.poll_s)
+            except SupervisionError as e:
+                raise ReplicaLostError(f"died ({_last_line(e)})") from None
+            if value is not _NOT_YET:
+                return value
+            if (why := self.frozen(i)) is not None:
+                raise ReplicaLostError(why)
 
     @staticmethod
     def _kill(replica: Replica) -> None:
@@ -209,6 +246,8 @@ class ReplicaCall:
 
     def __init__(self, pool: ReplicaPool, index: int, endpoint: str, args: tuple) -> None:
         self.pool, self.index, self.endpoint, self.args = pool, index, endpoint, args
+        self.lost = 0  # processes lost while answering this request
+        self.charged: list[dict[str, Any]] = []  # the restart-budget events its replacements spent
         self._send()
 
     def _send(self) -> None:
@@ -228,7 +267,11 @@ class ReplicaCall:
                     continue  # busy, and alive
             except SupervisionError as e:
                 why = f"died ({_last_line(e)})"
-            self.pool.replace(self.index, self.generation, why)
+            self.lost += 1
+            if self.lost >= 2 and (value := self.pool.isolate(self, why)) is not _NOT_YET:
+                return value  # answered piece by piece: the piece that kills the process found and scored 0
+            if event := self.pool.replace(self.index, self.generation, why):
+                self.charged.append(event)
             self._send()
             if timeout is not None:  # the re-sent request gets the whole time again
                 deadline = time.monotonic() + timeout
@@ -249,6 +292,87 @@ def _get_slice(future: Any, deadline: float | None, poll_s: float) -> Any:
         return _NOT_YET
 
 
+class WatcherClock:
+    """This process's own stalls: a daemon thread ticks every `tick_s`, and a tick that comes late by more than a
+    tick means this process did not run meanwhile (SIGSTOP and SIGCONT, a suspended machine, a debugger pause,
+    a C call holding the interpreter). A watcher that was not running cannot have seen a heartbeat answer, so
+    such a stall is not counted as the watched process's silence (`heartbeat_answers`).
+
+    `start=False` and `now`: a clock driven by hand (`tick()`), for tests."""
+
+    def __init__(self, tick_s: float = 0.25, *, start: bool = True, now: Callable[[], float] = time.monotonic):
+        self.tick_s, self.now = tick_s, now
+        self._lock = threading.Lock()
+        self._last = now()
+        self._gaps: list[tuple[float, float]] = []  # (when a stall ended, its length), the last few minutes' only
+        if start:
+            threading.Thread(target=self._run, name="meshrl-watcher-clock", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.tick_s)
+            self.tick()
+
+    def tick(self) -> None:
+        now = self.now()
+        with self._lock:
+            late = now - self._last - self.tick_s
+            if late > self.tick_s:
+                self._gaps.append((now, late))
+                self._gaps = [(t, g) for t, g in self._gaps if t > now - 600]
+            self._last = now
+
+    def stalled_since(self, t0: float) -> float:
+        """Seconds since `t0` during which this process did not run (the stall still under way included: a tick
+        overdue now, as right after a SIGCONT, before the ticking thread has run)."""
+        now = self.now()
+        with self._lock:
+            total = sum(min(gap, end - t0) for end, gap in self._gaps if end > t0)
+            overdue = now - max(self._last, t0) - self.tick_s
+            if overdue > self.tick_s:
+                total += overdue
+        return total
+
+
+_clock: WatcherClock | None = None
+_clock_lock = threading.Lock()
+
+
+def watcher_clock() -> WatcherClock:
+    """This process's WatcherClock (started on first use)."""
+    global _clock
+    with _clock_lock:
+        if _clock is None:
+            _clock = WatcherClock()
+        return _clock
+
+
+def heartbeat_answers(ask: Callable[[], Any], heartbeat_s: float, clock: WatcherClock | None = None) -> Any:
+    """The answer of a heartbeat: `ask()` sends one and returns its future. TimeoutError when none came within
+    `heartbeat_s` of this (the watching) process's own running time: a stall of the watcher while it waited (a
+    paused controller: issue 31 item 11) extends the wait by the stall, and the beat is asked again after it, as
+    an answer due while this process was stopped may have been given up on by the timer that woke it."""
+    clock = clock or watcher_clock()
+    t0 = clock.now()
+    future = ask()
+    while True:
+        allowed = heartbeat_s + clock.stalled_since(t0)
+        try:
+            return future.get(timeout=max(0.0, t0 + allowed - clock.now()))
+        except TimeoutError:
+            stalled = clock.stalled_since(t0)
+            if clock.now() >= t0 + heartbeat_s + stalled:
+                raise
+            # The watcher was stopped while it waited: ask again, for the time it is owed.
+            print(
+                f"[meshrl] this controller did not run for {stalled:.1f}s (paused or stopped): asking the heartbeat "
+                "again before judging the watched process",
+                file=sys.stderr,
+                flush=True,
+            )
+            future = ask()
+
+
 def process_state(pid: int | None) -> str | None:
     """The state letter of a process on this host (R, S, T for stopped, Z for a zombie...); None: no such process."""
     if pid is None:
@@ -263,10 +387,6 @@ def process_state(pid: int | None) -> str | None:
 def _last_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(e).__name__
-
-
-class ActorFrozenError(RuntimeError):
-    """An actor process stopped answering its heartbeat: frozen or hung, not dead."""
 
 
 class WatchedMesh:
@@ -287,7 +407,7 @@ class WatchedMesh:
 
     def check(self) -> None:
         try:
-            self._heartbeat.beat.call().get(timeout=self._heartbeat_s)
+            heartbeat_answers(self._heartbeat.beat.call, self._heartbeat_s)
         except TimeoutError:
             self._on_frozen()
             raise ActorFrozenError(

@@ -20,7 +20,7 @@ from typing import Any
 from meshrl.actors import PolicyTrainer
 from meshrl.controller.futures import Pending, _rank0
 from meshrl.controller.provision import Provisioner
-from meshrl.controller.replicas import WatchedMesh
+from meshrl.controller.replicas import WatchedMesh, process_state
 from meshrl.devices import machine_identity
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
@@ -75,6 +75,19 @@ class TrainerClient:
         self.policy_version = self.info["policy_version"]
         return self.info
 
+    def dead_ranks(self) -> str | None:
+        """The trainer ranks whose processes are gone ("trainer rank 1 of 2 (pid 4242)"; None: none of this machine's,
+        or their pids are not known yet). A rank on another machine is named by Monarch's message only."""
+        if self.elsewhere or not self.pids:
+            return None
+        n = len(self.pids)
+        gone = [
+            f"trainer rank {r} of {n} (pid {pid})"
+            for r, pid in enumerate(self.pids)
+            if process_state(pid) in (None, "Z")
+        ]
+        return " and ".join(gone) or None
+
     def kill(self) -> None:
         """A frozen trainer rank cannot stop itself, and the others wait for it in a collective: kill them all (the
         run ends; its checkpoints are on disk)."""
@@ -103,13 +116,19 @@ class TrainerClient:
             return result
 
         return Pending(
-            [self.actors.forward_backward.call(data, loss, step, split)], done, self.timeout_s, "forward_backward"
+            [self.actors.forward_backward.call(data, loss, step, split)],
+            done,
+            self.timeout_s,
+            "forward_backward",
+            self.dead_ranks,
         )
 
     def forward(
         self, data: list[Datum], temperature: float = 1.0, split: list[int] | None = None
     ) -> Pending[list[list[float]]]:
-        return Pending([self.actors.forward.call(data, temperature, split)], _rank0, self.timeout_s, "forward")
+        return Pending(
+            [self.actors.forward.call(data, temperature, split)], _rank0, self.timeout_s, "forward", self.dead_ranks
+        )
 
     def optim_step(self, params: OptimParams) -> Pending[OptimResult]:
         def done(values: list[Any]) -> OptimResult:
@@ -117,7 +136,7 @@ class TrainerClient:
             self.policy_version = result.policy_version
             return result
 
-        return Pending([self.actors.optim_step.call(params)], done, self.timeout_s, "optim_step")
+        return Pending([self.actors.optim_step.call(params)], done, self.timeout_s, "optim_step", self.dead_ranks)
 
     def token_budget(self) -> int:
         """Tokens per trainer rank and `forward_backward` call: trainer.max_tokens_per_micro_batch, or when unset what
@@ -125,7 +144,11 @@ class TrainerClient:
         if self.cfg.max_tokens_per_micro_batch is not None:
             return self.cfg.max_tokens_per_micro_batch
         budgets = Pending(
-            [self.actors.token_budget.call()], lambda v: list(v[0].values()), self.timeout_s, "token_budget"
+            [self.actors.token_budget.call()],
+            lambda v: list(v[0].values()),
+            self.timeout_s,
+            "token_budget",
+            self.dead_ranks,
         )
         return min(budgets.result())
 
@@ -143,22 +166,32 @@ class TrainerClient:
     # ---- memory -----------------------------------------------------------------------------------------------
     def memory(self) -> list[dict[str, float]]:
         """Each trainer rank's device memory (GiB): allocated / reserved now, peak since the last call."""
-        return Pending([self.actors.memory.call()], lambda v: list(v[0].values()), self.timeout_s, "memory").result()
+        return Pending(
+            [self.actors.memory.call()], lambda v: list(v[0].values()), self.timeout_s, "memory", self.dead_ranks
+        ).result()
 
     def release_memory(self) -> int:
         """Every trainer rank's cached allocator blocks back to the device (bytes released, summed)."""
         call = self.actors.release_cached_memory.call()
-        return Pending([call], lambda v: sum(v[0].values()), self.timeout_s, "release_cached_memory").result()
+        return Pending(
+            [call], lambda v: sum(v[0].values()), self.timeout_s, "release_cached_memory", self.dead_ranks
+        ).result()
 
     def offload_optimizer_state(self) -> Pending[int]:
         """The trainer's AdamW state to host memory until its next forward_backward / optim_step (bytes moved)."""
         return Pending(
-            [self.actors.offload_optimizer_state.call()], lambda v: sum(v[0].values()), self.timeout_s, "offload"
+            [self.actors.offload_optimizer_state.call()],
+            lambda v: sum(v[0].values()),
+            self.timeout_s,
+            "offload",
+            self.dead_ranks,
         )
 
     def peak_memory_gib(self) -> float | None:
         """The largest peak device memory of any trainer rank since it started (None for trainers on CPU)."""
-        infos = Pending([self.actors.info.call()], lambda v: list(v[0].values()), self.timeout_s, "info").result()
+        infos = Pending(
+            [self.actors.info.call()], lambda v: list(v[0].values()), self.timeout_s, "info", self.dead_ranks
+        ).result()
         peaks = [i["peak_memory_gib"] for i in infos if i["peak_memory_gib"] is not None]
         return max(peaks) if peaks else None
 
@@ -166,7 +199,9 @@ class TrainerClient:
     def save_checkpoint(self, path: str) -> None:
         """The trainer's full state (model + optimiser, torch DCP) into `path` (see meshrl.checkpoint for the
         atomic run checkpoints that also hold the controller's state)."""
-        Pending([self.actors.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint").result()
+        Pending(
+            [self.actors.save_checkpoint.call(path)], _rank0, self.timeout_s, "save_checkpoint", self.dead_ranks
+        ).result()
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the trainer's full state, or — for an HF checkpoint dir — just its weights. Returns the policy
@@ -174,9 +209,13 @@ class TrainerClient:
         from meshrl.checkpoint import is_hf_dir
 
         endpoint = self.actors.load_hf if is_hf_dir(path) else self.actors.load_checkpoint
-        self.policy_version = Pending([endpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint").result()
+        self.policy_version = Pending(
+            [endpoint.call(path)], _rank0, self.timeout_s, "load_checkpoint", self.dead_ranks
+        ).result()
         return self.policy_version
 
     def export_hf(self, path: str, dtype: str | None = None) -> str:
         """The trainer's weights as an HF checkpoint (config, safetensors, tokenizer), written atomically."""
-        return Pending([self.actors.export_hf.call(path, dtype)], _rank0, self.timeout_s, "export_hf").result()
+        return Pending(
+            [self.actors.export_hf.call(path, dtype)], _rank0, self.timeout_s, "export_hf", self.dead_ranks
+        ).result()

@@ -69,6 +69,7 @@ TEST_LANES = {
     "test_transformers_engine::test_triton_kernels": "actors",
     "test_optim_kahan_kernel::test_kernel_in_the_interpreter_is_the_torch_formulation": "actors",
     "test_devices::test_machine_identity_is_shared_by_the_processes_of_this_machine": "actors",
+    "test_faults_issue31::test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it": "actors",
     "test_placement_jobs::test_a_replica_whose_host_is_lost_is_started_on_a_live_host_until_none_is_left": "actors",
     "test_placement_jobs::test_a_trainer_that_does_not_spread_evenly_is_refused_before_the_job_starts": "actors",
     "test_placement_jobs::test_kubernetes_job_gets_its_meshes_from_the_flags": "actors",
@@ -89,6 +90,7 @@ SLOW_UNIT = {
     "test_engine_protocol::test_vllm_engine_satisfies_the_protocol_on_cpu",
     "test_transformers_engine::test_sleep_wake_sequencing_over_a_remappable_cache_on_host",
     "test_vllm_engine::test_seeded_batch_larger_than_one_scheduler_step",
+    "test_faults_issue31::test_a_real_sigstop_of_the_watching_process_is_not_a_freeze",  # 3 s stopped on purpose
 }
 # Python children that libraries start on their own inside an in-process test, allowed in the `unit` lane:
 # vLLM inspects a model class it has not cached yet (~/.cache/vllm/modelinfos) in a one-shot subprocess;

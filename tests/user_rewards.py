@@ -54,3 +54,12 @@ def old_contract(completion: str, answer: str) -> float:
     """Written for the earlier contract (the answer string, not the row dict)."""
     return float(completion.strip() == answer)
 
+
+def segfaults_on_poison(completion: str, row: dict) -> float:
+    """A verifier that crashes its process (a segfault in C code) on one sample — the completion holding 'POISON' —
+    and scores the others as contains_answer does (issue 31 item 15)."""
+    if "POISON" in completion:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: a real segfault, as a buggy C extension has
+    return float(str(row["answer"]) in completion)

@@ -407,6 +407,10 @@ class Rubric:
     def weights(self) -> dict[str, float]:
         return dict(self._weights)
 
+    def is_group(self, name: str) -> bool:
+        """Whether function `name` is a group reward (it scores a group's completions together)."""
+        return is_group_reward(self._fns[name])
+
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_pool")}
 
@@ -415,17 +419,24 @@ class Rubric:
         self._lock = threading.Lock()
         self._pool = None
 
-    def score(self, completions: list[str], rows: list[dict], group_size: int = 1) -> list[ScoredSample]:
+    def score(
+        self, completions: list[str], rows: list[dict], group_size: int = 1, *, only: str | None = None
+    ) -> list[ScoredSample]:
         """One ScoredSample per completion; `rows[i]` is completion i's row (its verifier view). Consecutive runs
-        of `group_size` completions share a row (a GRPO group): group rewards (`group_reward`) see each run whole."""
+        of `group_size` completions share a row (a GRPO group): group rewards (`group_reward`) see each run whole.
+        `only`: run that one function (the others' parts are 0, not failures): how a reward process that dies on
+        a request finds the function and sample that kill it (controller/reward_pool.py)."""
         check_score_inputs(completions, rows, group_size)
+        if only is not None and only not in self._fns:
+            raise ValueError(f"no reward function {only!r}; this rubric has {self.names}")
         if len(completions) != len(rows):
             raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
         if group_size < 1 or len(completions) % group_size:
             raise ValueError(f"{len(completions)} completions do not split into groups of {group_size}")
         timeout = self.cfg.timeout_s
-        per_sample = {n: fn for n, fn in self._fns.items() if not is_group_reward(fn)}
-        per_group = {n: fn for n, fn in self._fns.items() if is_group_reward(fn)}
+        fns = self._fns if only is None else {only: self._fns[only]}
+        per_sample = {n: fn for n, fn in fns.items() if not is_group_reward(fn)}
+        per_group = {n: fn for n, fn in fns.items() if is_group_reward(fn)}
         jobs = [
             _Job(i, name, fn, c, row, timeout)
             for i, (c, row) in enumerate(zip(completions, rows, strict=True))
