@@ -127,6 +127,7 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(tmp_pat
         pytest.fail("the controller hung after a trainer process was killed")
     assert proc.returncode != 0
     assert "an actor process died" in err, err[-2000:]
+    assert f"trainer rank 1 of 2 (pid {pids[1]}) died" in err, err[-2000:]  # which one (issue 31 item 17)
     assert re.search(r"last good checkpoint: .*checkpoints/step_\d{8}", err), err[-2000:]
     assert "--run.resume latest" in err and "--run.name killme" in err
 
