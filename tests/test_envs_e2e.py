@@ -162,12 +162,7 @@ def test_controller_api_runs_episodes_and_trains_on_them(straight):
     run_dir, _ = straight
     cfg = parse_run_config(GRPORunConfig, argv=FLAGS)
     rows = [{"prompt": r.prompt, "answer": r.answer, **r.info} for r in CalculatorEnv.rows("eval", 2, 0)]
-    with Controller(
-        model_dir=str(run_dir / "final_model"),
-        model_cfg=cfg.model,
-        trainer_cfg=cfg.trainer,
-        generator_cfg=cfg.generator,
-    ) as ctl:
+    with Controller.start(cfg, model_dir=str(run_dir / "final_model")) as ctl:
         episodes = ctl.run_episodes(CalculatorEnv, rows, group_size=4, max_turns=3, seed=5)
         again = ctl.run_episodes("calculator", rows, group_size=4, max_turns=3, seed=5)
         assert [e.tokens.tokens for e in episodes] == [e.tokens.tokens for e in again]
