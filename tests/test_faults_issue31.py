@@ -206,3 +206,67 @@ def test_sigterm_during_a_step_saves_that_step_then_stops_with_the_resume_comman
             time.sleep(1)
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+_PAUSED_CONTROLLER = """
+import sys, time
+from meshrl.config import PlacementConfig
+from meshrl.controller.process import prepare_process
+from meshrl.controller.provision import Provisioner
+from meshrl.controller.replicas import RestartBudget
+from meshrl.controller.reward_pool import RewardPool
+from meshrl.rewards import Rubric, ScoringConfig
+
+
+def slow(completion, row):
+    time.sleep(2.5)
+    return 1.0
+
+
+if __name__ == "__main__":
+    prepare_process()
+    rubric = Rubric({"slow": 1.0}, ScoringConfig(num_threads=1), fns={"slow": slow})
+    pool = RewardPool(Provisioner(PlacementConfig()), rubric, budget=RestartBudget(0), timeout_s=120, heartbeat_s=3)
+    pool.start()
+    print("READY", pool.pids[0], flush=True)
+    scored = pool.score(["a"] * 4, [{"prompt": "p", "answer": "a"}], group_size=4).result()
+    print("DONE", [s.reward for s in scored], "restarts", pool.budget.used, flush=True)
+    for f in pool.stop():
+        try:
+            f.get(timeout=10)
+        except Exception:
+            pass
+"""
+
+
+def test_a_stopped_controller_does_not_declare_a_healthy_process_frozen(tmp_path):
+    """A real controller (one reward process, heartbeat_s=3, no replacement allowed) waiting on a 10 s request: the
+    reward process is stopped so that a heartbeat goes unanswered, the controller is stopped for 8 s while it waits
+    for it, the reward process is continued (it answers while the controller is stopped), then the controller.
+    Before the fix the controller woke past its 3 s and declared the healthy process frozen (the run ended here,
+    its budget being 0); now it counts its own stall and asks again."""
+    import sys
+
+    script = tmp_path / "paused_controller.py"
+    script.write_text(_PAUSED_CONTROLLER)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line + proc.stderr.read()[-3000:]
+        reward = int(line.split()[1])
+        time.sleep(1.0)  # the request is under way
+        os.kill(reward, signal.SIGSTOP)  # its heartbeat goes unanswered: the controller waits on it within 1 s
+        time.sleep(1.5)
+        os.kill(proc.pid, signal.SIGSTOP)  # the controller stops while it waits for that heartbeat
+        time.sleep(0.5)
+        os.kill(reward, signal.SIGCONT)  # the reward process answers, to a controller that is stopped
+        time.sleep(8.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "DONE [1.0, 1.0, 1.0, 1.0] restarts 0" in out, (out + err)[-3000:]
+    assert "this controller did not run for " in err, err[-3000:]
