@@ -205,7 +205,8 @@ def test_env_with_a_rubric_in_the_asynchronous_loop_resumes_bitwise(out):
     from meshrl.rollout_recorder import read_rollouts
 
     argv = [
-        *FLAGS, "--grpo.steps", "3", "--eval.every", "0", "--eval.samples", "0", "--run.save-every", "0",
+        *FLAGS, "--grpo.steps", "3", "--warmup.steps", "0", "--eval.every", "0", "--eval.samples", "0",
+        "--run.save-every", "0",
         "--grpo.max-staleness", "1", "--reward", "user_rewards:contains_answer=0.5", "--log.rollouts-every", "1",
         "--run.output-dir", str(out),
     ]  # fmt: skip
@@ -255,4 +256,3 @@ def test_a_hung_environment_step_does_not_keep_the_process_alive(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("env_timeout: ") and time.perf_counter() - t0 < 40
-
