@@ -107,6 +107,7 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(killed)
     returncode, err = killed
     assert returncode != 0
     assert "an actor process died" in err, err[-2000:]
+    assert re.search(r"trainer rank 1 of 2 \(pid \d+\)", err), err[-2000:]  # which one died (issue 31 item 17)
     assert re.search(r"last good checkpoint: .*/b/checkpoints/step_\d{8}\n", err), err[-2000:]
     command = re.search(r"resume with: (\S+) (-m meshrl\.controller\.grpo .*)", err)
     assert command and command.group(2).endswith("--run.name b --run.resume latest"), err[-2000:]
