@@ -705,7 +705,7 @@ def _parse_gold(answer: str) -> list[Any]:
     return parse(gold, extraction, parsing_timeout=None)
 
 
-def math_parseable(answers: list[str | None]) -> int:
+def math_parseable(answers: list[str | None], *, stop_at: int | None = None) -> int:
     """How many of `answers` read as math: a number or a LaTeX expression that math-verify parses. (math-verify
     parses 'B' or 'Paris' too, as symbols, but letter answers scored 0 on every completion where this was tried.)"""
     count = 0
@@ -717,6 +717,8 @@ def math_parseable(answers: list[str | None]) -> int:
             count += bool(_parse_gold(text))
         except Exception:  # noqa: BLE001 - an answer it cannot parse is what is being counted
             pass
+        if stop_at is not None and count >= stop_at:  # enough to know (math-verify's parser is slow)
+            break
     return count
 
 

@@ -405,7 +405,7 @@ def _say_the_verifier(task: Task, verifier: str, given: str | None) -> None:
     from meshrl.rewards import math_parseable
 
     answers = [row.answer for row in list(task.eval)[:200]]
-    if answers and not math_parseable(answers):
+    if answers and not math_parseable(answers, stop_at=1):
         examples = ", ".join(repr(a) for a in answers[:3])
         print(
             f"[meshrl] WARNING: none of the {len(answers)} held-out answers checked (e.g. {examples}) reads as math, "
