@@ -40,11 +40,10 @@ def supervised_warmup(
     for step in progress(range(cfg.steps), desc="warm-up (SFT)", total=cfg.steps):
         data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]
         loss = LossSpec("cross_entropy", num_loss_tokens=sum(d.num_loss_tokens for d in data))
-        # Its own peak and schedule (cosine to 10 %, no LR warm-up); weight_decay=0.0 keeps what this phase has
-        # always done (it never took --optim.weight-decay), whatever the RL phase uses.
+        # Its own peak and schedule (cosine to 10 %, no LR warm-up); --optim's betas, eps, clip and weight decay
+        # (the warm-up used to drop the weight decay: issue 30).
         params = optim_params(
-            optim, step, cfg.steps, peak_lr=cfg.lr, schedule="cosine", warmup_steps=0, min_lr_ratio=0.1,
-            weight_decay=0.0,
+            optim, step, cfg.steps, peak_lr=cfg.lr, schedule="cosine", warmup_steps=0, min_lr_ratio=0.1
         )  # fmt: skip
         results, opt, _ = train_step(ctl, data, loss, micro_batch_size, params)
         nll = sum(r.loss for r in results)
