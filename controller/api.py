@@ -401,6 +401,7 @@ class Controller:
 
             episodes = ctl.run_episodes("calculator", rows, group_size=8, max_turns=3)
         """
+        from meshrl.data.prompts import as_row as row_of
         from meshrl.envs import EnvConfig
         from meshrl.rollout.episode import EpisodeRenderer
         from meshrl.rollout.render import Renderer
@@ -427,13 +428,8 @@ class Controller:
             sampling = SamplingParams(max_tokens=self.generator_cfg.max_tokens, stop_token_ids=renderer.stop_token_ids)
         limits = EpisodeLimits(max_turns, min(max_tokens or limit, limit), sampling.max_tokens, timeout_s)
 
-        def as_row(r: Any) -> Row:
-            if isinstance(r, Row):
-                return r
-            if isinstance(r, str):
-                return Row(r)
-            rest = {k: v for k, v in r.items() if k not in ("prompt", "answer")}
-            return Row(r["prompt"], r.get("answer"), rest)
+        def as_row(r: Any) -> Row:  # a prompt string, or a Row / row dict as everywhere else (data.prompts.as_row)
+            return Row(r) if isinstance(r, str) else row_of(r)
 
         runner = EpisodeRunner(make, episode_renderer, self.complete, limits, group_rewards=group_rewards)
         return runner.run([as_row(r) for r in rows], group_size, sampling, seed)

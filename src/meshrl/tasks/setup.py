@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrl.errors import ConfigError
-from meshrl.preflight import check_model_dir, check_tokenizer_fits
+from meshrl.preflight import check_model_dir
 from meshrl.rollout.render import Renderer
 from meshrl.tasks.base import Row, Task
 
@@ -281,8 +281,8 @@ class TaskSetup:
         generator.max_model_len, or the episode's token limit (`--env.max-tokens`)."""
         from meshrl.rewards import Rubric
 
+        # The tokenizer was checked against the model first thing (preflight.check_run_inputs), or the run made both.
         renderer = Renderer.from_model_dir(model_dir, cfg.render)
-        check_tokenizer_fits(renderer, model_dir)
         gen = cfg.generator
         env = getattr(cfg, "env", None)  # SFT runs have no environment section
         given = getattr(cfg, "reward", None)  # SFT runs evaluate with the task's own rewards
