@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from meshrl.errors import ConfigError
+from meshrl.rollout.env_pool import EnvWorkers
 from meshrl.rollout.environment import Environment, EpisodeOutcome, StepResult, play
 
 __all__ = ["BUILT_IN", "EnvConfig", "Environment", "EpisodeOutcome", "StepResult", "play", "resolve_env"]
@@ -45,8 +47,15 @@ class EnvConfig:
     """Cohorts the episodes of a step are split into, each sent to the generators on its own: while one cohort's
     environments step, another's generate. 1: every turn of every episode in one generator call. Any value is
     reproducible (the seeds never depend on timing)."""
+    workers: int | None = None
+    """Environment processes the episodes' environments live in (each episode's in one of them, constructed there
+    from its class, imported by name): a step that hangs holding the interpreter (past --env.timeout-s) or crashes
+    its process costs that process's episodes (env_timeout / env_error), and the process is replaced; the run goes
+    on. None: one per CPU core, between 2 and 8. 0: on the controller's own threads instead (for an environment that
+    cannot be imported by name in a fresh process; a hung or crashing step then stops the run)."""
     max_threads: int = 32
-    """Worker threads for environments whose methods are plain (not async) functions."""
+    """Threads per environment process (with --env.workers 0: in the controller) for environments whose methods
+    are plain (not async) functions: the most plain calls running at once."""
     num_train: int = 2000
     """Training rows of an environment's own dataset (used when no --task / --data is given)."""
     num_eval: int = 200
@@ -61,6 +70,11 @@ class EnvConfig:
             raise ConfigError(f"env.max_tokens={self.max_tokens} must be >= 2")
         if not self.timeout_s > 0:
             raise ConfigError(f"env.timeout_s={self.timeout_s} must be > 0")
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError(
+                f"--env.workers {self.workers} must be >= 0 (0: environments on the controller's threads; unset: "
+                "one process per CPU core, 2 to 8)"
+            )
         if self.batches < 1 or self.max_threads < 1:
             raise ConfigError(f"env.batches={self.batches} and env.max_threads={self.max_threads} must be >= 1")
         if self.num_train < 1 or self.num_eval < 1:
@@ -80,6 +94,22 @@ class EnvConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"--env.kwargs {self.kwargs!r} must be a JSON object, e.g. '{{\"high\": 32}}'")
         return value
+
+    def num_workers(self) -> int:
+        """Environment processes to run (0: none, the controller's threads)."""
+        if self.workers is not None:
+            return self.workers
+        return min(8, max(2, os.cpu_count() or 1))
+
+    def processes(self) -> EnvWorkers | None:
+        """The environment processes this config asks for (started at the first episode), or None (threads)."""
+        n = self.num_workers()
+        if n == 0:
+            return None
+        cls = resolve_env(self.name)
+        return EnvWorkers(
+            cls, self.env_kwargs(), n, timeout_s=self.timeout_s, max_threads=self.max_threads, name=self.name
+        )
 
     def factory(self) -> tuple[type[Environment], Callable[[], Environment]]:
         """(the environment class, a function making one environment per episode), checked now: a bad name or bad

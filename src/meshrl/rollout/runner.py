@@ -9,8 +9,11 @@ round's seed, the cohort and the turn), never depend on timing: a run is reprodu
 with any number of cohorts.
 
 An environment that raises, or answers after `EnvConfig.timeout_s`, ends its episode: reward 0, finish reason
-`env_error` / `env_timeout`, counted in the metrics; the other episodes go on. No Monarch imports: generation is the
-`generate` function the caller passes (the Controller's generators, or anything else).
+`env_error` / `env_timeout`, counted in the metrics; the other episodes go on. Where environments run is the
+caller's choice: in environment processes (`envs=EnvWorkers(...)`, meshrl.rollout.env_pool: what a run does, so a
+step that holds its interpreter or crashes costs episodes, not the run), or on this process's threads (no `envs`:
+the environments `env_factory` makes). No Monarch imports: generation is the `generate` function the caller passes
+(the Controller's generators, or anything else).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
+from meshrl.rollout.env_pool import EnvWorkers
 from meshrl.rollout.environment import Environment, EpisodeOutcome, as_messages
 from meshrl.rollout.episode import Episode, EpisodeRenderer, EpisodeTokens
 from meshrl.rollout.row import Row
@@ -84,6 +89,63 @@ class _DaemonThreads:
         return future
 
 
+class _InThreads:
+    """Environments made by `factory` in this process, their plain methods on daemon threads."""
+
+    def __init__(self, factory: Callable[[], Environment], max_threads: int) -> None:
+        self.factory, self.threads = factory, _DaemonThreads(max_threads)
+
+    async def open(self) -> Any:
+        return SimpleNamespace(instance=None)
+
+    def call(self, env: Any, method: str, *args: Any) -> Awaitable:
+        if method == "__init__":
+
+            def make() -> None:
+                env.instance = self.factory()
+
+            return self.threads.submit(make)
+        fn = getattr(env.instance, method)
+        return fn(*args) if inspect.iscoroutinefunction(fn) else self.threads.submit(fn, *args)
+
+    def timed_out(self, env: Any, method: str) -> None:
+        pass  # the thread is left behind (daemon: it never keeps the process from exiting)
+
+    def release(self, env: Any) -> None:
+        pass
+
+    def describe(self, env: Any, method: str) -> str:
+        fn = self.factory if method == "__init__" else getattr(env.instance, method, method)
+        return str(getattr(fn, "__qualname__", fn))
+
+
+class _InProcesses:
+    """Environments in environment processes (meshrl.rollout.env_pool), awaited on this event loop."""
+
+    def __init__(self, pool: EnvWorkers) -> None:
+        self.pool = pool
+
+    async def open(self) -> Any:
+        return await asyncio.wrap_future(self.pool.open())
+
+    def call(self, env: Any, method: str, *args: Any) -> Awaitable:
+        return asyncio.wrap_future(self.pool.call(env, method, *args))
+
+    def timed_out(self, env: Any, method: str) -> None:
+        self.pool.timed_out(env, method)
+
+    def release(self, env: Any) -> None:
+        self.pool.release(env)
+
+    def describe(self, env: Any, method: str) -> str:
+        return self.pool.describe(method)
+
+
+def _describe_error(e: BaseException) -> str:
+    """An environment's exception as 'Type: message' (one raised in an environment process keeps its own type)."""
+    return f"{getattr(e, 'type_name', type(e).__name__)}: {e}"
+
+
 class _Cohort:
     """Batches the generation requests of a set of episodes: sends them once every live episode waits."""
 
@@ -113,11 +175,13 @@ class _Cohort:
 
 
 class EpisodeRunner:
-    """Runs episodes of one environment class against a generate function."""
+    """Runs episodes of one environment class against a generate function. `envs`: the environment processes
+    every environment lives in (then `env_factory` is unused); None: `env_factory()` makes them in this process,
+    their plain methods on at most `max_threads` threads."""
 
     def __init__(
         self,
-        env_factory: Callable[[], Environment],
+        env_factory: Callable[[], Environment] | None,
         renderer: EpisodeRenderer,
         generate: GenerateFn,
         limits: EpisodeLimits,
@@ -125,9 +189,13 @@ class EpisodeRunner:
         batches: int = 1,
         max_threads: int = 32,
         group_rewards: Callable[[Sequence[EpisodeOutcome]], Sequence[float] | None] | None = None,
+        envs: EnvWorkers | None = None,
     ) -> None:
+        if envs is None and env_factory is None:
+            raise ValueError("EpisodeRunner needs env_factory or envs")
         self.env_factory, self.renderer, self.generate, self.limits = env_factory, renderer, generate, limits
         self.batches, self.max_threads, self.group_rewards = batches, max_threads, group_rewards
+        self.envs = _InProcesses(envs) if envs is not None else _InThreads(env_factory, max_threads)
 
     def run(self, rows: Sequence[Row], group_size: int, sampling: SamplingParams, seed: int) -> list[Episode]:
         """`group_size` episodes per row, laid out group by group. `sampling` gives temperature / top-p / top-k /
@@ -138,7 +206,6 @@ class EpisodeRunner:
         self, rows: Sequence[Row], group_size: int, sampling: SamplingParams, seed: int
     ) -> list[Episode]:
         n = len(rows) * group_size
-        executor = _DaemonThreads(self.max_threads)
         gen_executor = ThreadPoolExecutor(max_workers=max(1, self.batches), thread_name_prefix="meshrl-gen")
         sizes = [n * (c + 1) // self.batches - n * c // self.batches for c in range(self.batches)]
 
@@ -169,7 +236,7 @@ class EpisodeRunner:
         cohort_of = [c for c in range(self.batches) for _ in range(sizes[c])]
         try:
             episodes = await asyncio.gather(
-                *(self._episode(i, rows[i // group_size], cohorts[cohort_of[i]], executor, seed) for i in range(n))
+                *(self._episode(i, rows[i // group_size], cohorts[cohort_of[i]], seed) for i in range(n))
             )
         finally:
             gen_executor.shutdown(wait=False)  # a hung environment's (daemon) thread is left behind
@@ -184,18 +251,18 @@ class EpisodeRunner:
         or None (no demonstration, or longer than `limits.max_tokens`)."""
 
         async def every_row() -> list[EpisodeTokens | str | None]:
-            executor = _DaemonThreads(self.max_threads)
-            return list(await asyncio.gather(*(self._demonstration(row, executor) for row in rows)))
+            return list(await asyncio.gather(*(self._demonstration(row) for row in rows)))
 
         return asyncio.run(every_row())
 
-    async def _demonstration(self, row: Row, executor: _DaemonThreads) -> EpisodeTokens | str | None:
+    async def _demonstration(self, row: Row) -> EpisodeTokens | str | None:
+        env = await self.envs.open()
         try:
-            env = await self._call(executor, self.env_factory)
-            demo = await self._call(executor, env.demonstration, row)
+            await self._call(env, "__init__")
+            demo = await self._call(env, "demonstration", row)
             if not demo:
                 return None
-            opening = await self._call(executor, env.reset, row, 0)
+            opening = await self._call(env, "reset", row, 0)
             messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
             tokens = EpisodeTokens()
             tokens.add_context(ids)
@@ -203,7 +270,7 @@ class EpisodeRunner:
                 turn_ids = self.renderer.scripted_turn_ids(text)
                 tokens.add_scripted(turn_ids)
                 messages.append({"role": "assistant", "content": text})
-                result = await self._call(executor, env.step, text)
+                result = await self._call(env, "step", text)
                 if result.done or turn + 1 == len(demo):
                     break
                 observation = as_messages(result.observation)
@@ -213,33 +280,36 @@ class EpisodeRunner:
             return f"{e.kind}: {e}"
         except Exception as e:  # noqa: BLE001 - a malformed demonstration or observation is the environment's
             return f"env_error: {type(e).__name__}: {e}"
+        finally:
+            self.envs.release(env)
         return tokens if len(tokens.tokens) <= self.limits.max_tokens else None
 
-    async def _call(self, executor: _DaemonThreads, fn: Callable, *args: Any) -> Any:
-        """An environment method, async or not, under the timeout; a plain one runs in a worker thread."""
-        call = fn(*args) if inspect.iscoroutinefunction(fn) else executor.submit(fn, *args)
+    async def _call(self, env: Any, method: str, *args: Any) -> Any:
+        """`method` of the episode's environment (async or not; "__init__": construct it) under the timeout."""
         try:
-            return await asyncio.wait_for(call, self.limits.timeout_s)
+            return await asyncio.wait_for(self.envs.call(env, method, *args), self.limits.timeout_s)
         except TimeoutError as e:
-            what = getattr(fn, "__qualname__", fn)
+            self.envs.timed_out(env, method)
+            what = self.envs.describe(env, method)
             raise _EnvFailure("env_timeout", f"{what} took over {self.limits.timeout_s}s") from e
         except Exception as e:  # noqa: BLE001 - an environment's bug ends its episode, never the run
-            raise _EnvFailure("env_error", f"{type(e).__name__}: {e}") from e
+            raise _EnvFailure("env_error", _describe_error(e)) from e
 
-    async def _episode(self, index: int, row: Row, cohort: _Cohort, executor, seed: int) -> Episode:
+    async def _episode(self, index: int, row: Row, cohort: _Cohort, seed: int) -> Episode:
         lim = self.limits
         tokens = EpisodeTokens()
         messages: list[dict[str, Any]] = []
         turn_rewards: list[float] = []
         metrics: dict[str, float] = {}
         correct: bool | None = None
-        finish, error, env_time = "max_turns", None, 0.0
+        finish, error, env_time, env = "max_turns", None, 0.0, None
         try:
+            env = await self.envs.open()  # a process starting is not the environment's time
             t0 = time.perf_counter()
             try:
-                env = await self._call(executor, self.env_factory)
+                await self._call(env, "__init__")
                 episode_seed = random.Random(f"{seed}/env/{index}").getrandbits(32)
-                opening = await self._call(executor, env.reset, row, episode_seed)
+                opening = await self._call(env, "reset", row, episode_seed)
                 messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
             except _EnvFailure:
                 raise
@@ -259,7 +329,7 @@ class EpisodeRunner:
                 messages.append({"role": "assistant", "content": text})
                 t0 = time.perf_counter()
                 try:
-                    result = await self._call(executor, env.step, text)
+                    result = await self._call(env, "step", text)
                     observation = [] if result.done else as_messages(result.observation)
                 except _EnvFailure:
                     raise
@@ -286,6 +356,8 @@ class EpisodeRunner:
             turn_rewards = [0.0] * len(turn_rewards)
         finally:
             cohort.finished()
+            if env is not None:
+                self.envs.release(env)
         reward = sum(turn_rewards)
         outcome = EpisodeOutcome(
             row=row,

@@ -127,6 +127,8 @@ class EnvRollout:
         )
         self.max_model_tokens = min(self.limits.max_tokens, self.limits.max_turns * self.limits.turn_max_tokens)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshrl-rounds")
+        # The environment processes (--env.workers; started at the first episode), or None: the controller's threads.
+        self.envs = cfg.processes()
 
     def runner(self, ctl: Any, limits: EpisodeLimits | None = None, version: int | None = None) -> EpisodeRunner:
         def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -135,6 +137,7 @@ class EnvRollout:
         return EpisodeRunner(
             self.make_env, self.renderer, generate, limits or self.limits,
             batches=self.cfg.batches, max_threads=self.cfg.max_threads, group_rewards=self.env_cls.group_rewards,
+            envs=self.envs,
         )  # fmt: skip
 
     def launch(self, ctl: Any, split: Any, picks: list[int], params: SamplingParams, seed: int | None,
@@ -172,7 +175,16 @@ class EnvRollout:
         return " | ".join(f"{m['role']}: {m['content']}" for m in episode.outcome.messages)
 
     def stats(self, episodes: Sequence[Episode]) -> dict[str, float]:
-        return EpisodeStats.of(episodes).values
+        values = EpisodeStats.of(episodes).values
+        replaced = self.envs.take_replaced() if self.envs is not None else 0
+        if replaced:  # environment processes killed (a step holding the interpreter) or dead since the last stats
+            values["env_processes_replaced"] = replaced
+        return values
+
+    def close(self) -> None:
+        """Stops the environment processes (they also stop when this object is dropped, and with the controller)."""
+        if self.envs is not None:
+            self.envs.close()
 
     def demonstrations(self, setup: Any, max_len: int) -> list[Datum]:
         """The environment's demonstrations for the supervised warm-up, played through the environment itself (its
@@ -183,7 +195,9 @@ class EnvRollout:
         def no_generation(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
             raise RuntimeError("a demonstration is scripted: nothing is generated")
 
-        runner = EpisodeRunner(self.make_env, self.renderer, no_generation, limits, max_threads=self.cfg.max_threads)
+        runner = EpisodeRunner(
+            self.make_env, self.renderer, no_generation, limits, max_threads=self.cfg.max_threads, envs=self.envs
+        )
         played = runner.demonstrations(setup.train.rows)
         failed = [(i, p) for i, p in enumerate(played) if isinstance(p, str)]
         if failed:
