@@ -34,6 +34,7 @@ torch.set_num_threads(1)
 # A `unit` test that starts a process fails, naming these tables (see _in_process_only).
 MODULE_LANES = {
     "test_algorithms_actors": "actors",
+    "test_env_processes": "actors",
     "test_generator_transformers_engine": "actors",
     "test_hf_backend": "actors",
     "test_memory_handoff": "actors",
@@ -53,6 +54,8 @@ MODULE_LANES = {
 TEST_LANES = {
     # in-process checks in modules of another lane
     "test_envs_e2e::test_env_flags": "unit",
+    "test_env_processes::test_env_workers_flag_and_what_cannot_run_in_a_process": "unit",
+    "test_env_processes::test_a_run_whose_environment_hangs_holding_the_interpreter_or_segfaults_finishes": "e2e",
     "test_generator_transformers_engine::test_bad_engine_name_fails_at_launch": "unit",
     "test_hf_backend::test_backend_is_validated": "unit",
     "test_memory_handoff::test_offloaded_optimizer_state_comes_back_exactly": "unit",
