@@ -74,8 +74,8 @@ def rl_step(
 ) -> dict:
     """One RL step, sampling through training and weight sync; returns its metrics record. Every sample is an
     episode (one turn of a task, or an environment's turns), trained as one sequence with the loss on the model's
-    tokens. `ahead`: the asynchronous schedule (--grpo.max-staleness K). `handoff` (a GPU trainer): memory per
-    phase recorded, and handed between generator and trainer on a shared GPU (controller/memory.py)."""
+    tokens. `ahead`: the asynchronous schedule (--grpo.max-staleness K). `handoff`: memory per phase recorded, and
+    handed between generator and trainer on a shared GPU (controller/memory.py)."""
     g = cfg.grpo.group_size
     t0 = time.perf_counter()
     if ahead is not None:  # asynchronous: this step's groups were sent up to max_staleness steps ago
@@ -184,18 +184,18 @@ def warn_on_logprob_gap(record: dict, threshold: float = LogConfig.logprob_gap_w
     return warned
 
 
-def memory_handoff(ctl: Controller, cfg: GRPORunConfig) -> MemoryHandoff | None:
-    """A GPU trainer's memory hand-off (None on CPU, where nothing is recorded or moved). `generator.sleep_level`
-    None: the generators sleep during training (level 1: KV cache freed) when one shares the trainer's GPU in the
+def memory_handoff(ctl: Controller, cfg: GRPORunConfig) -> MemoryHandoff:
+    """The run's memory hand-off and readings (controller/memory.py). Memory is read on every run, CPU included, so
+    that CPU runs make the same calls at the same points of the loop as GPU runs. `generator.sleep_level` None: the
+    generators sleep during training (level 1: KV cache freed) when one shares a CUDA trainer's GPU in the
     synchronous loop; the asynchronous loop generates while training, so they stay awake."""
-    if cfg.trainer.device != "cuda":
-        return None
     level = cfg.generator.sleep_level
     if level is None:
         trainer_gpu = ctl.trainer_info["device_identity"]
         shared = any(g["device_identity"] == trainer_gpu for g in ctl.generator_info)
-        level = 1 if shared and not cfg.grpo.max_staleness else 0
-    return MemoryHandoff(ctl, sleep_level=level, offload_optimizer=cfg.trainer.offload_optimizer)
+        level = 1 if cfg.trainer.device == "cuda" and shared and not cfg.grpo.max_staleness else 0
+    offload, asynchronous = cfg.trainer.offload_optimizer, bool(cfg.grpo.max_staleness)
+    return MemoryHandoff(ctl, sleep_level=level, offload_optimizer=offload, asynchronous=asynchronous)
 
 
 def main(

@@ -255,6 +255,17 @@ class ReplicaCall:
         self.generation = replica.generation
         self.future = getattr(replica.actor, self.endpoint).call_one(*self.args)
 
+    def ready(self) -> bool:
+        """Whether the answer (or the call's failure) has come back, without waiting: then `get` returns or deals
+        with the failure at once. For the asynchronous loop, which must not wait behind a replica's queued work."""
+        try:
+            self.future.get(timeout=0)  # a timed-out get leaves the future as it was
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - failed: `get` replaces the replica or raises
+            return True
+        return True
+
     def get(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

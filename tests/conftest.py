@@ -42,6 +42,7 @@ MODULE_LANES = {
     "test_weight_sync_parity": "actors",
     "test_architectures_e2e": "e2e",
     "test_envs_e2e": "e2e",
+    "test_async_overlap": "e2e",
     "test_grpo_async": "e2e",
     "test_grpo_e2e": "e2e",
     "test_grpo_resume": "e2e",
@@ -54,6 +55,7 @@ MODULE_LANES = {
 TEST_LANES = {
     # in-process checks in modules of another lane
     "test_envs_e2e::test_env_flags": "unit",
+    "test_async_overlap::test_generators_cannot_sleep_in_the_asynchronous_loop": "unit",
     "test_env_processes::test_env_workers_flag_and_what_cannot_run_in_a_process": "unit",
     "test_env_processes::test_a_run_whose_environment_hangs_holding_the_interpreter_or_segfaults_finishes": "e2e",
     "test_generator_transformers_engine::test_bad_engine_name_fails_at_launch": "unit",

@@ -151,6 +151,12 @@ class GRPORunConfig:
                 "buffer of --generator.weight-sync shm/cuda_ipc/auto holds 2: use --generator.weight-sync torchstore, "
                 "or --grpo.max-staleness 1"
             )
+        if k and self.generator.sleep_level:
+            raise ConfigError(
+                f"generator.sleep_level={self.generator.sleep_level} with grpo.max_staleness={k}: the asynchronous "
+                "loop generates while the trainer trains, so the generators cannot sleep then; leave "
+                "--generator.sleep-level unset (or 0), or run the synchronous loop (--grpo.max-staleness 0)"
+            )
         if self.env.name is not None:
             limit = self.generator.max_model_len
             if self.env.max_tokens is not None and self.env.max_tokens > limit:
