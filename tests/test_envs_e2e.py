@@ -51,7 +51,7 @@ FLAGS = [
 
 def _records(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    drop = ("time_", "tokens_per_s", "env_time_per_episode_s")
+    drop = ("time_", "tokens_per_s", "env_time_per_episode_s", "memory/")  # measurements, not what is trained
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 
 

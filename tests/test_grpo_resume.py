@@ -62,9 +62,10 @@ FLAGS = [
 
 
 def _records(run_dir):
-    """metrics.jsonl without the wall-clock fields."""
+    """metrics.jsonl without the measurements that differ from run to run: wall-clock times and memory readings."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"} for r in rows]
+    drop = ("time_", "tokens_per_s", "memory/")
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
 
 
 @pytest.fixture(scope="module")
