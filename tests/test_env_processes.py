@@ -114,6 +114,16 @@ def test_a_step_that_kills_its_process_costs_its_episode_and_the_process_is_repl
     assert [e.outcome.finish_reason for e in run.run(rows("ok", "ok"), 1, SamplingParams(), seed=0)] == ["done"] * 2
 
 
+def test_an_episode_that_fails_before_its_opening_still_trains_as_a_sequence_without_model_tokens(renderer, pool):
+    """Its environment raised in reset (or was lost with its process before it): the row's prompt, reward 0, no
+    model token, so the step's batch still takes it (it used to end the run: 'an episode needs at least 2 tokens')."""
+    episodes = _runner(renderer, pool).run(rows("ok", "bad_reset"), 1, SamplingParams(), seed=0)
+    failed = episodes[1]
+    assert failed.outcome.finish_reason == "env_error" and failed.outcome.error == "RuntimeError: no such puzzle"
+    assert failed.tokens.tokens == renderer.renderer.prompt_ids(rows("ok", "bad_reset")[1])
+    assert failed.tokens.datum().num_loss_tokens == 0 and failed.outcome.num_turns == 0
+
+
 def test_the_warm_up_demonstrations_run_in_the_processes_under_the_same_rules(renderer, pool):
     played = _runner(renderer, pool).demonstrations(rows("ok", "segv", "ok", "ok"))
     assert played[1].startswith("env_error: EnvProcessLost: its environment process 1") and "SIGSEGV" in played[1]
@@ -189,7 +199,7 @@ def test_a_run_whose_environment_hangs_holding_the_interpreter_or_segfaults_fini
     from meshrl.controller.cli import parse_run_config
 
     argv = [
-        "--preset", "tiny-calculator", "--model.flavor", "tiny", "--generator.engine", "transformers",
+        "--model.flavor", "tiny", "--generator.engine", "transformers",
         "--generator.max-model-len", "96", "--trainer.num-procs", "1", "--trainer.micro-batch-size", "8",
         "--warmup.steps", "0", "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2",
         "--env", "user_faults:FaultEnv", "--env.num-train", "4", "--env.num-eval", "4", "--env.timeout-s", "2",

@@ -2,7 +2,8 @@
 `user_faults:Name` by the environment and reward processes (the tests directory is on the path the controller
 passes them). FaultEnv: each row's `info["kind"]` says what its episodes do: "ok" (reward 1 at the first step),
 "gil" (a regex that backtracks for hours inside the C regex engine, never releasing the interpreter), "segv" (reads
-address 0), "abort" (os.abort), "sleep" (a 60 s sleep: slow but releasing the interpreter)."""
+address 0), "abort" (os.abort), "bad_reset" (reset raises), "sleep" (a 60 s sleep: slow but releasing the
+interpreter)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def segfault() -> None:
 class FaultEnv(Environment):
     def reset(self, row: Row, seed: int):
         self.kind = row.info.get("kind", "ok")
+        if self.kind == "bad_reset":
+            raise RuntimeError("no such puzzle")
         return None
 
     def step(self, message: str) -> StepResult:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from meshrl.envs import EnvConfig
 from meshrl.errors import ConfigError
-from meshrl.rollout.environment import Environment, play
+from meshrl.rollout.env_pool import START_TIMEOUT_S, EnvWorkers
+from meshrl.rollout.environment import Environment, as_messages, play
 from meshrl.rollout.row import Row
 from meshrl.tasks.base import Task
 
@@ -24,14 +26,54 @@ def build_env_task(cfg: EnvConfig, *, corpus: bool = True) -> Task:
     train = env_rows(cls, "train", cfg.num_train, cfg.seed, cfg.env_kwargs(), name=cfg.name)
     held_out = env_rows(cls, "eval", cfg.num_eval, cfg.seed, cfg.env_kwargs(), name=cfg.name)
     texts: list[str] = []
-    for row in train[:CORPUS_EPISODES] if corpus else []:
-        env = make()
-        demo = env.demonstration(row)
-        if not demo:
-            continue
-        played = play(env, row, demo, max_turns=cfg.max_turns)
-        texts += [f"{m['role']}\n{m['content']}" for m in played["messages"]]
+    corpus = corpus and cls.demonstration is not Environment.demonstration  # no demonstrations: nothing to play
+    envs = cfg.processes() if corpus else None
+    try:
+        for row in train[:CORPUS_EPISODES] if corpus else []:
+            messages = _demonstrated(envs, row, cfg) if envs is not None else _demonstrated_here(make(), row, cfg)
+            texts += [f"{m['role']}\n{m['content']}" for m in messages or []]
+    finally:
+        if envs is not None:
+            envs.close()
     return Task(f"env:{cfg.name}", train, held_out, reward="", verifier="env", corpus=texts)
+
+
+def _demonstrated_here(env: Environment, row: Row, cfg: EnvConfig) -> list[dict] | None:
+    demo = env.demonstration(row)
+    return play(env, row, demo, max_turns=cfg.max_turns)["messages"] if demo else None
+
+
+def _demonstrated(envs: EnvWorkers, row: Row, cfg: EnvConfig) -> list[dict] | None:
+    """`play` of the row's demonstration in an environment process, each call under --env.timeout-s: a call that
+    fails, hangs or kills its process leaves this row out of the corpus (the process is replaced), never stops the
+    launch."""
+    env = envs.open().result(timeout=START_TIMEOUT_S)
+
+    def call(method: str, *args: Any) -> Any:
+        try:
+            return envs.call(env, method, *args).result(timeout=cfg.timeout_s)
+        except TimeoutError:
+            envs.timed_out(env, method)
+            raise
+
+    try:
+        call("__init__")
+        demo = call("demonstration", row)
+        if not demo:
+            return None
+        opening = call("reset", row, 0)
+        messages = as_messages(row.prompt) if opening is None else as_messages(opening)
+        for text in demo[: cfg.max_turns]:
+            messages.append({"role": "assistant", "content": text})
+            result = call("step", text)
+            if result.done:
+                break
+            messages += as_messages(result.observation)
+        return messages
+    except Exception:  # noqa: BLE001 - the episode rules: the environment's failure costs this row only
+        return None
+    finally:
+        envs.release(env)
 
 
 def env_rows(

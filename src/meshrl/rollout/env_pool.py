@@ -115,7 +115,8 @@ class EnvWorkers:
         self.closed = False
         self._env_ids = itertools.count()
         self._started: list[subprocess.Popen] = []
-        self._finalizer = weakref.finalize(self, _kill_all, self._started)
+        self._stopping = [False]  # set (first) by the finalizer: processes it kills are not replaced
+        self._finalizer = weakref.finalize(self, _kill_all, self._started, self._stopping)
 
     # ---- the episode's side ---------------------------------------------------------------------------------
     def open(self) -> Future:
@@ -171,7 +172,7 @@ class EnvWorkers:
 
     def _replace(self, lost: _Proc, why: str) -> None:
         with self.lock:
-            if self.closed or self.procs[lost.index] is not lost:
+            if self.closed or self._stopping[0] or self.procs[lost.index] is not lost:
                 return
             self.replaced.append(why)
             self.procs[lost.index] = _Proc(self, lost.index)
@@ -191,7 +192,8 @@ class EnvWorkers:
         self._finalizer()
 
 
-def _kill_all(started: list[subprocess.Popen]) -> None:
+def _kill_all(started: list[subprocess.Popen], stopping: list[bool]) -> None:
+    stopping[0] = True
     for popen in started:
         if popen.poll() is None:
             popen.kill()

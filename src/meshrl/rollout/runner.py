@@ -354,6 +354,9 @@ class EpisodeRunner:
         except _EnvFailure as e:
             finish, error, correct = e.kind, str(e), False
             turn_rewards = [0.0] * len(turn_rewards)
+            if not tokens.tokens:  # failed before its opening: the row's prompt, no model token (nothing to learn)
+                messages, ids = self.renderer.opening(row, None)
+                tokens.add_context(ids)
         finally:
             cohort.finished()
             if env is not None:
