@@ -17,6 +17,7 @@ import sys
 
 import monarch.actor
 
+from meshrl.controller.pauses import tolerate_pauses
 from meshrl.weight_sync.shared_buffer import remove_stale_files
 
 _fault_logs: list[list[str]] = []  # the `failures` lists of the live Controllers
@@ -27,6 +28,7 @@ def prepare_process() -> None:
     path to the actor processes; shared-buffer files left in /dev/shm by an earlier run whose trainer or controller
     was SIGKILLed are removed."""
     monarch.actor.unhandled_fault_hook = _record_fault
+    tolerate_pauses()  # Monarch's delivery and orphan timeouts: a paused controller is not a dead one
     export_import_path()
     remove_stale_files()
 
