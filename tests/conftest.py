@@ -35,6 +35,7 @@ torch.set_num_threads(1)
 MODULE_LANES = {
     "test_algorithms_actors": "actors",
     "test_env_processes": "actors",
+    "test_paused_controller": "actors",
     "test_generator_transformers_engine": "actors",
     "test_hf_backend": "actors",
     "test_memory_handoff": "actors",
