@@ -123,15 +123,16 @@ class Generator(Actor):
     @endpoint
     async def attach_weight_buffer(self, handle) -> str:
         """Pull weights from now on from the trainer's shared buffer ('cuda_ipc' / 'shm' transport; `handle`:
-        `meshrl.weight_sync.shared_buffer.SharedBufferHandle`, sent once by the controller). Returns the transport."""
+        `meshrl.weight_sync.shared_buffer.SharedBufferHandle`, sent once by the controller); None: from torchstore
+        again (the controller's fallback where the buffer cannot be opened). Returns the transport."""
         from meshrl.weight_sync.pubsub import SharedBufferSubscriber
 
         # The new one first: a handle that cannot be opened leaves this generator on the buffer it had.
-        subscriber = SharedBufferSubscriber(handle, self._engine())
+        subscriber = None if handle is None else SharedBufferSubscriber(handle, self._engine())
         if self.subscriber is not None:
             self.subscriber.close()
         self.subscriber = subscriber
-        return self.subscriber.transport
+        return "torchstore" if subscriber is None else subscriber.transport
 
     @endpoint
     async def pull_weights(self, version: int, store_name: str = DEFAULT_STORE) -> int:

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# The real program on the GPU machine (../shared/GPU.md, "Running the real program there"): `python -m
-# meshrl.controller.grpo` itself, not a bench loop, on the arithmetic task with a 0.6B-shaped Qwen3 (random weights;
-# the tiny checkpoint's BPE tokenizer, the vocabulary sized to it so the launch checks pass), trainer and generator
-# on one GPU. Each TREE given (a copy of the repository, e.g. an older commit's `git archive`) runs with the same
-# flags in the same call, so before/after step times share the machine. Prints a table of step-time medians (steps
-# 3 to the end) and copies each run's metrics.jsonl and timeline.png under $OUT.
+# The GPU check anyone can run on a GPU machine (issue 32): the real program — `python -m meshrl.controller.grpo`
+# itself, not a bench loop — in named layouts on one and two GPUs, then one table (step, generate, train, weight
+# sync, overlap of generation and training, logprob gap; ratios against the first layout of the call) and JSON; and
+# the GPU-only tests. The job: the arithmetic task on a 0.6B-shaped Qwen3 (random weights; the tiny checkpoint's BPE
+# tokenizer, the vocabulary sized to it so the launch checks pass), 32 prompts x 8 samples, 256 new tokens, hf
+# trainer and transformers engine in bf16 (../shared/GPU.md, "Running the real program there").
 #
-#   bash bench/gpu_check.sh                      # this tree (carry .whl: ../shared/gpu/make-wheels.sh)
-#   bash bench/gpu_check.sh /tmp/before .        # a baseline tree, then this one
-#   GPU_CHECK_FLAGS="--grpo.max-staleness 1" GPU_CHECK_STEPS=10 bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh                         # every layout the machine's GPUs allow, then the GPU tests
+#   bash bench/gpu_check.sh 1gpu split-async        # some layouts (names below); `tests`: the GPU-only tests
+#   GPU_CHECK_TREES="/tmp/before ." bash bench/gpu_check.sh 1gpu   # a baseline tree (e.g. an older commit's `git
+#                                                   # archive`) and this one, same flags, same machine
+#   GPU_CHECK_STEPS=10 GPU_CHECK_FLAGS="--grpo.group-size 4" bash bench/gpu_check.sh split-async
+#
+# Carry `.whl` (../shared/gpu/make-wheels.sh). Step times are medians of steps 3 to the end; the overlap is the
+# time generation (a generator's generate and pull_weights) and training (trainer rank 0's forward_backward) run at
+# once over the last 5 steps, as a share of the shorter of the two. Prints the table last; JSON in
+# $OUT/gpu_check.json, each run's log, metrics.jsonl, timeline.jsonl and timeline.png under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEPS=${GPU_CHECK_STEPS:-8}
@@ -16,11 +23,30 @@ mkdir -p "$OUT" /tmp/gc
 [ -d /tmp/site211/monarch ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/site211 .whl/*.whl || exit 1
 here=$PWD
-trees=("$@")
-[ ${#trees[@]} -gt 0 ] || trees=(.)
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
-# One model for every tree, made with this tree's scripts: the tokenizer of a tiny checkpoint, a 0.6B body.
-if [ ! -f /tmp/gc/model/config.json ]; then
+FAST="--trainer.compile --trainer.logprob-chunk-size 4096 --trainer.master-dtype bfloat16"
+declare -A LAYOUT=(
+  [1gpu]=""                                                        # trainer and generator share GPU 0, synchronous
+  [1gpu-fast]="$FAST"
+  [split-sync]="--trainer.devices 0 --generator.devices 1"         # trainer GPU 0, generator GPU 1
+  [split-async]="--trainer.devices 0 --generator.devices 1 --grpo.max-staleness 1"
+  [split-async-fast]="--trainer.devices 0 --generator.devices 1 --grpo.max-staleness 1 $FAST"
+  # a second generator on the trainer's GPU: generation on both GPUs, training on GPU 0
+  [split2-async]="--trainer.devices 0 --generator.num-replicas 2 --generator.devices 1 0 --grpo.max-staleness 1"
+  [split2-async-fast]="--trainer.devices 0 --generator.num-replicas 2 --generator.devices 1 0 --grpo.max-staleness 1 $FAST"
+)
+ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast)
+GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *) echo 2 ;; esac; }
+
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for n in "${ORDER[@]}"; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
+  names+=(tests)
+fi
+
+if [ " ${names[*]} " != " tests " ] && [ ! -f /tmp/gc/model/config.json ]; then
+  # One model for every run, made with this tree's scripts: the tokenizer of a tiny checkpoint, a 0.6B body.
   PYTHONPATH=/tmp/site211:$here/src python3 scripts/make_tiny_checkpoint.py --arch qwen3 --vocab-size 2048 \
     --max-position-embeddings 512 --out /tmp/gc/tok > /tmp/gc/tok.log 2>&1 || { tail -5 /tmp/gc/tok.log; exit 1; }
   PYTHONPATH=/tmp/site211:$here/bench python3 - <<'EOF' || exit 1
@@ -51,37 +77,106 @@ print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M paramete
 EOF
 fi
 
-FLAGS="--model.path /tmp/gc/model --model.backend hf --model.dtype bfloat16 --trainer.device cuda --trainer.num-procs 1
+BASE="--model.path /tmp/gc/model --model.backend hf --model.dtype bfloat16 --trainer.device cuda --trainer.num-procs 1
   --generator.engine transformers --generator.dtype bfloat16 --generator.max-model-len 320 --generator.max-tokens 256
   --task arithmetic --arithmetic.num-eval 32 --reward exact=1.0 --eval.verifier exact --grpo.prompts-per-step 32
-  --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir /tmp/gc/runs
-  ${GPU_CHECK_FLAGS:-}"
+  --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir /tmp/gc/runs"
+read -r -a trees <<< "${GPU_CHECK_TREES:-.}"
+assemble() {  # the meshrl namespace of tree $1 as pyproject's package-dir lays it out, under /tmp/gc/pkg$2
+  rm -rf "/tmp/gc/pkg$2" && mkdir -p "/tmp/gc/pkg$2" && cp -r "$1/src/meshrl" "/tmp/gc/pkg$2/" || return 1
+  for d in actors controller configs; do cp -r "$1/$d" "/tmp/gc/pkg$2/meshrl/" || return 1; done
+}
 rows=()
-for i in "${!trees[@]}"; do
-  tree=$(cd "${trees[$i]}" && pwd)
-  name="run$i"
-  rm -rf "/tmp/gc/pkg$i" && mkdir -p "/tmp/gc/pkg$i" && cp -r "$tree/src/meshrl" "/tmp/gc/pkg$i/" || exit 1
-  for d in actors controller configs; do cp -r "$tree/$d" "/tmp/gc/pkg$i/meshrl/" || exit 1; done
-  echo "== $tree"
-  (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
-    python3 -m meshrl.controller.grpo $FLAGS --run.name "$name" 2>&1 | grep -v -E "Warning|warnings.warn" \
-    | tail -25 | tee "$OUT/gpu_check_$name.log")
-  cp "/tmp/gc/runs/$name/metrics.jsonl" "$OUT/gpu_check_${name}_metrics.jsonl" 2>/dev/null
-  cp "/tmp/gc/runs/$name/timeline.png" "$OUT/gpu_check_${name}_timeline.png" 2>/dev/null
-  rows+=("$name:$tree")
+for name in "${names[@]}"; do
+  if [ "$name" = tests ]; then
+    # The GPU-only tests (the `gpu` lane, tests/README.md) on this machine's torch stack; those that need vLLM or
+    # torchtitan skip themselves here (bench/gpu_run.sh carries those stacks).
+    assemble "$here" t || exit 1
+    (PYTHONPATH=/tmp/site211:/tmp/gc/pkgt timeout "${GPU_CHECK_TEST_TIMEOUT:-420}" python3 -m pytest -q \
+      -p no:cacheprovider -m gpu --continue-on-collection-errors -rs tests 2>&1 | grep -v -E "Warning|warnings.warn" \
+      | tail -40 | tee "$OUT/gpu_tests.log")
+    continue
+  fi
+  [ -n "${LAYOUT[$name]+x}" ] || { echo "unknown layout $name (known: ${ORDER[*]} tests)"; exit 2; }
+  for i in "${!trees[@]}"; do
+    tree=$(cd "${trees[$i]}" && pwd)
+    run=$name
+    [ ${#trees[@]} -gt 1 ] && run="$name-t$i"
+    assemble "$tree" "$i" || exit 1
+    echo "== $run: ${LAYOUT[$name]} ($tree)"
+    (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
+      python3 -m meshrl.controller.grpo $BASE ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
+      | grep -v -E "Warning|warnings.warn" > "$OUT/gpu_check_$run.log"; tail -4 "$OUT/gpu_check_$run.log"; \
+      grep -E "weight sync:|placement:" "$OUT/gpu_check_$run.log")
+    for f in metrics.jsonl timeline.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
+    rows+=("$run:$name:$tree")
+  done
 done
-python3 - "${rows[@]}" <<'EOF'
+[ ${#rows[@]} -gt 0 ] || exit 0
+python3 - "$OUT" "${rows[@]}" <<'EOF'
 import json, statistics, sys
-print(f"{'run':6} {'step s':>7} {'generate':>9} {'score':>6} {'train':>6} {'sync':>6} {'diff max':>9}  tree")
-for arg in sys.argv[1:]:
-    name, tree = arg.split(":", 1)
+
+out, rows = sys.argv[1], sys.argv[2:]
+
+
+def overlap(intervals, steps):
+    """Generation ∩ training over the last `steps` step times, as a share of the shorter of the two."""
+    ends = [i["end"] for i in intervals if i["what"] in ("forward_backward", "push_weights")]
+    if not ends or not steps:
+        return float("nan")
+    hi = max(ends)
+    lo = hi - sum(steps)
+    clip = lambda i: (max(i["start"], lo), min(i["end"], hi))  # noqa: E731
+    gen = [clip(i) for i in intervals if i["actor"].startswith("generator") and i["what"] in ("generate", "pull_weights")]
+    train = [clip(i) for i in intervals if i["actor"] == "trainer:0" and i["what"] == "forward_backward"]
+    gen, train = [g for g in gen if g[1] > g[0]], [t for t in train if t[1] > t[0]]
+
+    def union(spans):
+        merged = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    g, t = union(gen), union(train)
+    both = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in g for a2, b2 in t)
+    shorter = min(sum(b - a for a, b in g), sum(b - a for a, b in t))
+    return both / shorter if shorter > 0 else float("nan")
+
+
+results = []
+for arg in rows:
+    run, layout, tree = arg.split(":", 2)
     try:
-        rl = [json.loads(l) for l in open(f"/tmp/gc/runs/{name}/metrics.jsonl")]
+        records = [json.loads(l) for l in open(f"/tmp/gc/runs/{run}/metrics.jsonl")]
+        intervals = [json.loads(l) for l in open(f"/tmp/gc/runs/{run}/timeline.jsonl")]
     except OSError:
-        print(f"{name:6} (no metrics)  {tree}")
+        results.append({"run": run, "layout": layout, "tree": tree, "failed": True})
         continue
-    rl = [r for r in rl if r.get("phase") == "rl"][2:]
+    rl = [r for r in records if r.get("phase") == "rl"][2:]
     m = lambda k: statistics.median(r[k] for r in rl) if rl else float("nan")  # noqa: E731
-    print(f"{name:6} {m('time_step_s'):7.2f} {m('time_generate_s'):9.2f} {m('time_score_s'):6.2f} "
-          f"{m('time_train_s'):6.2f} {m('time_weight_sync_s'):6.3f} {max(r['logprob_diff_max'] for r in rl):9.1e}  {tree}")
+    results.append({
+        "run": run, "layout": layout, "tree": tree, "steps": len(rl), "step_s": m("time_step_s"),
+        "generate_s": m("time_generate_s"), "train_s": m("time_train_s"), "sync_s": m("time_weight_sync_s"),
+        "overlap": overlap(intervals, [r["time_step_s"] for r in rl[-5:]]),
+        "logprob_diff_mean": m("logprob_diff_mean"), "logprob_diff_max": max(r["logprob_diff_max"] for r in rl),
+        "transport": next((l.split("weight sync: ")[1].split()[0] for l in open(f"{out}/gpu_check_{run}.log")
+                           if "weight sync: " in l), "?"),
+    })
+base = next((r["step_s"] for r in results if not r.get("failed")), float("nan"))
+for r in results:
+    r["step_ratio"] = r.get("step_s", float("nan")) / base
+json.dump(results, open(f"{out}/gpu_check.json", "w"), indent=1)
+print(f"\n{'run':20} {'step s':>7} {'ratio':>6} {'generate':>9} {'train':>6} {'sync s':>7} {'overlap':>8} "
+      f"{'diff mean':>9} {'transport':>10}")
+for r in results:
+    if r.get("failed"):
+        print(f"{r['run']:20} FAILED (see gpu_check_{r['run']}.log)")
+        continue
+    print(f"{r['run']:20} {r['step_s']:7.2f} {r['step_ratio']:6.2f} {r['generate_s']:9.2f} {r['train_s']:6.2f} "
+          f"{r['sync_s']:7.3f} {r['overlap']:8.0%} {r['logprob_diff_mean']:9.4f} {r['transport']:>10}")
+print("(generate: the controller's wait for the step's round; asynchronous runs wait only for what training did "
+      "not hide. ratio: step time over the first run's.)")
 EOF

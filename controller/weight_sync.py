@@ -88,14 +88,9 @@ class WeightSync:
         if version == self.last_synced:
             return WeightSyncTiming(version, 0.0, 0.0, 0, self.transport)  # generators already serve it
         t0 = time.perf_counter()
-        pushed = Pending(
-            [self.trainer.push_weights.call(version, self.dtype, self.store_name)],
-            lambda v: sum(v[0].values()),
-            self.timeout_s,
-            "push_weights",
-        ).result()
-        if self.transport in SHARED_BUFFER_TRANSPORTS and self.handle is None:
-            self._attach_buffer()  # once: the buffer exists from the first push on
+        pushed = self._push(version)
+        if self.transport in SHARED_BUFFER_TRANSPORTS and self.handle is None and not self._attach_buffer():
+            pushed = self._push(version)  # the buffer could not be opened: 'auto' pushes again over torchstore
         t1 = time.perf_counter()
         load = self.generators.send_all("pull_weights", version, self.store_name)
         self.last_synced = version
@@ -147,15 +142,45 @@ class WeightSync:
         while len(self.stored_versions) > keep:
             asyncio.run(delete_weights(self.stored_versions.pop(0), store_name=self.store_name))
 
-    def _attach_buffer(self) -> None:
+    def _push(self, version: int) -> int:
+        return Pending(
+            [self.trainer.push_weights.call(version, self.dtype, self.store_name)],
+            lambda v: sum(v[0].values()),
+            self.timeout_s,
+            "push_weights",
+        ).result()
+
+    def _attach_buffer(self) -> bool:
+        """Send the shared buffer's handle to every generator (once, after the first push). False where a generator
+        could not open it and 'auto' went back to torchstore: two GPUs without peer access (a generator on another
+        GPU than the trainer's maps the buffer's memory peer to peer)."""
         handles = Pending(
             [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
         ).result()
         (handle,) = [h for h in handles if h is not None]  # rank 0's
         self.handle = handle
+        try:
+            Pending(
+                self.generators.send_all("attach_weight_buffer", handle), list, self.timeout_s, "attach_weight_buffer"
+            ).result()
+            return True
+        except Exception as e:  # noqa: BLE001 - an IPC handle that cannot be opened; said and handled below
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            if self.requested != "auto":
+                raise RuntimeError(
+                    f"generator.weight_sync={self.requested!r}: a generator could not open trainer rank 0's weight "
+                    f"buffer ({why}); GPUs without peer access cannot share it: use --generator.weight-sync "
+                    "torchstore (or auto, which falls back by itself)"
+                ) from e
+        print(f"[meshrl] weight sync: a generator could not open trainer rank 0's buffer ({why}); 'auto' goes on "
+              "with torchstore", flush=True)  # fmt: skip
+        Pending(self.generators.send_all("attach_weight_buffer", None), list, self.timeout_s, "detach").result()
         Pending(
-            self.generators.send_all("attach_weight_buffer", handle), list, self.timeout_s, "attach_weight_buffer"
-        ).result()
+            [self.trainer.set_weight_sync.call("torchstore", self.store_name)], _rank0, self.timeout_s,
+            "set_weight_sync",
+        ).result()  # fmt: skip
+        self.transport, self.handle = "torchstore", None  # the trainer removed the buffer's files with it
+        return False
 
     def close_store(self, timeout_s: float) -> None:
         """Drop the torchstore and stop its volumes (best effort, at shutdown, before the processes stop)."""

@@ -69,6 +69,7 @@ TEST_LANES = {
     # a python child process or a process mesh of their own
     "test_shared_buffer::test_another_process_reads_the_published_version_cpu_backing": "actors",
     "test_shared_buffer::test_another_process_reads_through_cuda_ipc_gpu": "actors",
+    "test_shared_buffer::test_a_process_that_sees_only_another_gpu_reads_the_buffer_bitwise": "actors",
     "test_shared_buffer::test_stale_files_of_dead_processes_are_removed_and_live_ones_kept": "actors",
     "test_shared_buffer::test_a_one_megabyte_shm_is_a_message_not_a_sigbus": "actors",
     "test_engine_protocol::test_generator_actor_sleep_wake_memory": "actors",

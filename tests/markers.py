@@ -15,6 +15,13 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 """The test needs a CUDA device: skipped on CPU, and in the `gpu` lane."""
 
 
+needs_two_gpus = pytest.mark.skipif(
+    not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices of one host"
+)
+"""The test needs two GPUs (cross-GPU weight sync, the split layout): skipped elsewhere, and in the `gpu` lane."""
+
+
 def is_needs_cuda(mark: pytest.Mark) -> bool:
-    """Whether `mark` is `needs_cuda` (a skipif mark compares by value, so this holds wherever it was applied)."""
-    return mark == needs_cuda.mark
+    """Whether `mark` is `needs_cuda` or `needs_two_gpus` (a skipif mark compares by value, so this holds wherever
+    it was applied)."""
+    return mark in (needs_cuda.mark, needs_two_gpus.mark)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from markers import needs_cuda
+from markers import needs_cuda, needs_two_gpus
 
 from meshrl.weight_sync.shared_buffer import (
     ALIGN,
@@ -21,6 +23,7 @@ from meshrl.weight_sync.shared_buffer import (
     VersionControl,
     WeightVersionUnavailable,
     choose_transport,
+    device_identity,
 )
 
 torch.set_num_threads(1)
@@ -83,11 +86,23 @@ def test_layout_rejects_other_models_and_bad_slots():
 def test_choose_transport():
     a, b = "cuda:GPU-aaaa@host1", "cuda:GPU-bbbb@host1"
     assert choose_transport(a, a) == "cuda_ipc"
-    assert choose_transport(a, b) == "torchstore"  # two GPUs of one host
+    assert choose_transport(a, b) == "cuda_ipc"  # two GPUs of one host: peer to peer
     assert choose_transport(a, "cuda:GPU-aaaa@host2") == "torchstore"  # same UUID string, other host
     assert choose_transport("cpu@host1", "cpu@host1") == "torchstore"  # IPC is for GPUs
     assert choose_transport("cpu", "cpu") == "torchstore"  # plain devices resolve in this process
     assert choose_transport(torch.device("cpu"), a) == "torchstore"
+
+
+def test_the_receiver_opens_a_handle_on_its_own_device():
+    """The receiver replaces the sender's device index in rebuild_cuda_tensor's arguments by its own (the sender's
+    index names another GPU, or none, in a process that sees only its GPU): the argument must be where it is put."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from meshrl.weight_sync.shared_buffer import _REBUILD_DEVICE_ARG
+
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters)[_REBUILD_DEVICE_ARG] == "storage_device"
 
 
 # ---- versions and slots ---------------------------------------------------------------------------------------
@@ -175,19 +190,23 @@ def test_load_into_transformers_engine(base_model_dir):
 
 _CHILD = textwrap.dedent(
     """
-    import pickle, sys, torch
+    import hashlib, pickle, sys, torch
     from meshrl.weight_sync.shared_buffer import SharedBufferReceiver
     rx = SharedBufferReceiver(pickle.loads(sys.stdin.buffer.read()))
     with rx.read() as (v, views):
-        print(v, float(sum(t.double().sum() for t in views.values())), views["model.norm.weight"].device)
+        total = float(sum(t.double().sum() for t in views.values()))
+        digest = hashlib.sha256(b"".join(views[s.name].cpu().view(-1).view(torch.uint8).numpy().tobytes()
+                                         for s in rx.layout.specs)).hexdigest()
+        print(v, total, views["model.norm.weight"].device, digest)
     """
 )
 
 
-def _child_reads(handle) -> list[str]:
+def _child_reads(handle, env: dict | None = None) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD], input=pickle.dumps(handle), capture_output=True, timeout=120, check=True
-    )
+        [sys.executable, "-c", _CHILD], input=pickle.dumps(handle), capture_output=True, timeout=120, check=True,
+        env=env,
+    )  # fmt: skip
     return out.stdout.decode().split()
 
 
@@ -200,7 +219,7 @@ def test_another_process_reads_the_published_version_cpu_backing():
     sender = SharedBufferSender.for_state_dict(sd, "cpu", dtype=torch.bfloat16)
     try:
         sender.publish(sd, 9)
-        version, total, device = _child_reads(sender.handle())
+        version, total, device, _ = _child_reads(sender.handle())
         assert int(version) == 9 and device == "cpu"
         assert float(total) == pytest.approx(_checksum(sd, torch.bfloat16), rel=1e-12)
     finally:
@@ -215,12 +234,39 @@ def test_another_process_reads_through_cuda_ipc_gpu():
         sender.publish(sd, 1)
         sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
         sender.publish(sd2, 2)
-        version, total, device = _child_reads(sender.handle())
+        version, total, device, _ = _child_reads(sender.handle())
         assert int(version) == 2 and device.startswith("cuda")
         assert float(total) == pytest.approx(_checksum(sd2, torch.bfloat16), rel=1e-12)
         assert choose_transport("cuda", "cuda") == "cuda_ipc"
     finally:
         sender.close()
+
+
+@needs_two_gpus
+def test_a_process_that_sees_only_another_gpu_reads_the_buffer_bitwise():
+    """The split layout (trainer on GPU 0, generator on GPU 1, each seeing only its own): the generator opens the
+    buffer on the trainer's GPU peer to peer and reads exactly what was published."""
+    sd = {k: v.cuda(0) for k, v in _state_dict(4).items()}
+    sender = SharedBufferSender.for_state_dict(sd, "cuda:0", dtype=torch.bfloat16)
+    try:
+        sender.publish(sd, 3)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": _physical_gpu(1)}
+        version, _, device, digest = _child_reads(sender.handle(), env=env)
+        assert int(version) == 3 and device == "cuda:0"  # its own GPU's index: the only one it sees
+        published = b"".join(
+            sd[spec.name].to(getattr(torch, spec.dtype)).cpu().view(-1).view(torch.uint8).numpy().tobytes()
+            for spec in sender.layout.specs
+        )
+        assert digest == hashlib.sha256(published).hexdigest()  # bitwise what the trainer published
+        ids = [device_identity("cuda:0"), device_identity("cuda:1")]
+        assert ids[0] != ids[1] and choose_transport(*ids) == "cuda_ipc"
+    finally:
+        sender.close()
+
+
+def _physical_gpu(index: int) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
 
 
 def test_stale_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):

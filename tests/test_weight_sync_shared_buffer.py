@@ -36,21 +36,23 @@ GPU_A, GPU_B = "cuda:GPU-aaaa@host1", "cuda:GPU-bbbb@host1"
 # ---- the choice of transport (no processes) --------------------------------------------------------------------
 
 
-def test_auto_picks_cuda_ipc_only_when_every_generator_shares_trainer_rank0s_gpu():
+def test_auto_picks_cuda_ipc_when_every_generator_is_on_a_gpu_of_trainer_rank0s_host():
     assert resolve_transport("auto", GPU_A, [GPU_A, GPU_A]) == "cuda_ipc"
-    assert resolve_transport("auto", GPU_A, [GPU_A, GPU_B]) == "torchstore"  # one replica elsewhere
+    assert resolve_transport("auto", GPU_A, [GPU_A, GPU_B]) == "cuda_ipc"  # another GPU of the host: peer to peer
+    assert resolve_transport("auto", GPU_A, [GPU_A, "cuda:GPU-bbbb@host2"]) == "torchstore"  # one on another host
     assert resolve_transport("auto", GPU_A, ["cuda:GPU-aaaa@host2"]) == "torchstore"  # same UUID, other host
     assert resolve_transport("auto", "cpu@host1", ["cpu@host1"]) == "torchstore"  # never 'shm' unasked
     assert resolve_transport("torchstore", GPU_A, [GPU_A]) == "torchstore"
     assert resolve_transport("cuda_ipc", GPU_A, [GPU_A]) == "cuda_ipc"
     assert resolve_transport("shm", "cpu@host1", ["cpu@host1", "cpu@host1"]) == "shm"
     assert "weight sync: cuda_ipc" in describe_transport("cuda_ipc", GPU_A, [GPU_A])
+    assert "1 of them from another GPU of the host" in describe_transport("cuda_ipc", GPU_A, [GPU_A, GPU_B])
 
 
 def test_explicit_shared_buffer_choices_that_cannot_work_fail_naming_what_to_set():
-    with pytest.raises(ConfigError, match="needs every generator on the GPU of trainer rank 0.*weight-sync auto"):
-        resolve_transport("cuda_ipc", GPU_A, [GPU_A, GPU_B])
-    with pytest.raises(ConfigError, match="needs every generator on the GPU"):
+    with pytest.raises(ConfigError, match="needs every generator on a GPU of trainer rank 0's host.*weight-sync auto"):
+        resolve_transport("cuda_ipc", GPU_A, [GPU_A, "cuda:GPU-bbbb@host2"])
+    with pytest.raises(ConfigError, match="needs every generator on a GPU"):
         resolve_transport("cuda_ipc", "cpu@host1", ["cpu@host1"])
     with pytest.raises(ConfigError, match="'shm' is the host-memory buffer of a CPU trainer"):
         resolve_transport("shm", GPU_A, [GPU_A])

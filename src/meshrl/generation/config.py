@@ -33,8 +33,9 @@ class GeneratorConfig:
     """Engine dtype; trainer weights are cast to it on the way (the transfer dtype)."""
     weight_sync: Literal["auto", "torchstore", "cuda_ipc", "shm"] = "auto"
     """Trainer -> generator weight transport (meshrl.weight_sync.transport). 'auto': 'cuda_ipc' when every
-    generator is on trainer rank 0's GPU, else 'torchstore'. 'cuda_ipc': a flat buffer on that GPU, its IPC handle
-    sent once. 'shm': the same buffer protocol in host shared memory (/dev/shm), for a CPU trainer and generators
+    generator is on a GPU of trainer rank 0's host (its GPU or another), else 'torchstore'. 'cuda_ipc': a flat
+    buffer on trainer rank 0's GPU, its IPC handle sent once; generators on other GPUs read it peer to peer.
+    'shm': the same buffer protocol in host shared memory (/dev/shm), for a CPU trainer and generators
     on one host. An explicit choice that the placement cannot do fails at launch."""
     max_model_len: int = 64
     """Longest prompt + completion the engine accepts (tokens)."""
@@ -160,5 +161,6 @@ def check_weight_sync(trainer: TrainerConfig, generator: GeneratorConfig) -> Non
     if generator.weight_sync == "shm" and trainer.device != "cpu":
         raise ConfigError(
             "generator.weight_sync='shm' is the host-memory buffer of a CPU trainer, but trainer.device="
-            f"{trainer.device!r}; use --generator.weight-sync cuda_ipc (generators on the trainer's GPU) or auto"
+            f"{trainer.device!r}; use --generator.weight-sync cuda_ipc (generators on GPUs of the trainer's host) "
+            "or auto"
         )

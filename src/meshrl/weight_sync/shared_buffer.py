@@ -1,6 +1,14 @@
 """The shared weight buffer of the 'cuda_ipc' and 'shm' weight transports: trainer rank 0 publishes each version
-into one flat buffer, which generators on its GPU (the colocated layout) read over CUDA IPC, or CPU processes of
-one host through a /dev/shm file.
+into one flat buffer, which generators on the GPUs of its host read over CUDA IPC — on its own GPU (the colocated
+layout) or on another GPU, peer to peer over NVLink / PCIe — or CPU processes of one host through a /dev/shm file.
+
+Across GPUs (issue 32): a generator that sees only its own GPU (CUDA_VISIBLE_DEVICES, meshrl.devices) still opens
+the handle of a buffer on the trainer's GPU — CUDA maps peer memory into its context — and its engine's copies read
+over the link. Measured on 2x H100 (NVLink, bench/cross_gpu_probe.py): 1.19 GB in 3.0 ms (393 GB/s), against
+3.3 ms for an NCCL broadcast between the same two processes, which would also need both sides to take part at once
+(the trainer would have to serve every generator's pull while it trains in the asynchronous loop); the buffer needs
+neither. A pair of GPUs without peer access cannot open it: the generator's attach fails, and 'auto' falls back to
+torchstore (controller/weight_sync.py).
 
 Why not hand over the trainer's tensors one by one: opening one IPC handle costs ~50 µs, and a Qwen3-0.6B state
 dict has ~300 tensors (GPU.md measured ~15 ms of handle opening per hand-off). Instead the trainer owns one
@@ -45,9 +53,9 @@ first touch). The sender checks the free space first and allocates every page up
 full /dev/shm is a `ShmSpaceError` naming the free space, the need and what to do; the controller checks the same
 at launch from the parameter count (`meshrl.weight_sync.transport.resolve_transport`).
 
-`choose_transport` picks "cuda_ipc" when trainer and generator sit on the same physical CUDA device (compared
-by device UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore"
-otherwise. No Monarch in here: the actors pass `SharedBufferHandle` (picklable) through their endpoints.
+`choose_transport` picks "cuda_ipc" when trainer and generator sit on CUDA devices of one host (devices compared
+by UUID, since "cuda:0" means different GPUs under different CUDA_VISIBLE_DEVICES) and "torchstore" otherwise.
+No Monarch in here: the actors pass `SharedBufferHandle` (picklable) through their endpoints.
 """
 
 from __future__ import annotations
@@ -201,8 +209,14 @@ def device_identity(device: str | torch.device) -> str:
     return f"{device.type}@{host}"
 
 
+def same_device(trainer_device: str, generator_device: str) -> bool:
+    """Whether two `device_identity()` strings name the same physical CUDA device."""
+    return trainer_device == generator_device and trainer_device.startswith("cuda:")
+
+
 def choose_transport(trainer_device: str | torch.device, generator_device: str | torch.device) -> str:
-    """'cuda_ipc' when trainer and generator use the same CUDA device of one host, else 'torchstore'.
+    """'cuda_ipc' when trainer and generator use CUDA devices of one host (the same GPU, or peers), else
+    'torchstore'.
 
     Pass what `device_identity()` returned in each process (they may see different CUDA_VISIBLE_DEVICES), or,
     when both are resolved in one process, plain devices ('cuda:0', torch.device)."""
@@ -210,8 +224,12 @@ def choose_transport(trainer_device: str | torch.device, generator_device: str |
     for d in (trainer_device, generator_device):
         s = str(d)
         ids.append(s if ("@" in s) else device_identity(s))
-    same = ids[0] == ids[1]
-    return "cuda_ipc" if same and ids[0].startswith("cuda:") else "torchstore"
+    gpus = all(i.startswith("cuda:") for i in ids)
+    return "cuda_ipc" if gpus and _identity_host(ids[0]) == _identity_host(ids[1]) else "torchstore"
+
+
+def _identity_host(identity: str) -> str:
+    return identity.rsplit("@", 1)[-1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -667,6 +685,20 @@ class WeightLoader(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> Any: ...
 
 
+def _on_this_device(args: tuple) -> tuple:
+    """`torch.multiprocessing.reductions.rebuild_cuda_tensor`'s arguments with the device index replaced by this
+    process's current device: the sender's index means another GPU here (or none, where this process sees one GPU),
+    and a handle is opened in the context of the device that will read it (the memory may sit on a peer GPU)."""
+    args = list(args)
+    args[_REBUILD_DEVICE_ARG] = torch.cuda.current_device()
+    return tuple(args)
+
+
+_REBUILD_DEVICE_ARG = 6
+"""Position of `storage_device` in rebuild_cuda_tensor's arguments (tensor_cls, size, stride, offset, storage_cls,
+dtype, storage_device, handle, ...), as torch 2.x lays them out; checked in tests/test_shared_buffer.py."""
+
+
 class SharedBufferReceiver:
     """Generator side: opens the handle once (one IPC open), builds the name -> view maps of every slot once.
     Holds the control block's shared lock while open (the run is live), and finds the owner's files wherever the
@@ -682,7 +714,7 @@ class SharedBufferReceiver:
                 self.buffer = torch.from_file(handle.locate(path), shared=True, size=size, dtype=torch.uint8)
             else:
                 rebuild, args = handle.buffer
-                self.buffer = rebuild(*args)  # cudaIpcOpenMemHandle, once
+                self.buffer = rebuild(*_on_this_device(args))  # cudaIpcOpenMemHandle, once
         except BaseException:
             self.control.close()
             raise
