@@ -77,6 +77,9 @@ TEST_LANES = {
     "test_optim_kahan_kernel::test_kernel_in_the_interpreter_is_the_torch_formulation": "actors",
     "test_devices::test_machine_identity_is_shared_by_the_processes_of_this_machine": "actors",
     "test_faults_issue31::test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it": "actors",
+    "test_faults_issue31::test_a_reward_that_hangs_holding_the_interpreter_on_one_sample_scores_it_zero_and_names_it": (
+        "actors"
+    ),
     "test_faults_issue31::test_a_stopped_controller_does_not_declare_a_healthy_process_frozen": "actors",
     "test_placement_jobs::test_a_replica_whose_host_is_lost_is_started_on_a_live_host_until_none_is_left": "actors",
     "test_placement_jobs::test_a_trainer_that_does_not_spread_evenly_is_refused_before_the_job_starts": "actors",

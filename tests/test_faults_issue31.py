@@ -111,6 +111,47 @@ def test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it(capfd
     assert "sample 2 of the request: row (answer '7', prompt 'poisoned row')" in err, err[-3000:]
 
 
+def test_a_reward_that_hangs_holding_the_interpreter_on_one_sample_scores_it_zero_and_names_it(capfd):
+    """The segfault's sibling: on one sample the function spins in C code that keeps the interpreter (a regex that
+    backtracks for hours), so even the process's heartbeat cannot answer. That process is found frozen and replaced,
+    the replacement freezes on the same request, the request is scored one function, group and sample at a time,
+    and the sample that freezes its process scores 0 as that function's failure, named with its row."""
+    from meshrl.config import PlacementConfig
+    from meshrl.controller.process import prepare_process
+    from meshrl.controller.provision import Provisioner
+    from meshrl.controller.replicas import RestartBudget
+    from meshrl.controller.reward_pool import RewardPool
+    from meshrl.rewards import Rubric, ScoringConfig
+
+    prepare_process()
+    name = "user_faults:holds_the_interpreter_on_poison"
+    rubric = Rubric({name: 1.0, "user_rewards:contains_answer": 0.5}, ScoringConfig())
+    budget = RestartBudget(3)
+    pool = RewardPool(Provisioner(PlacementConfig()), rubric, budget=budget, timeout_s=120, heartbeat_s=3)
+    t0 = time.perf_counter()
+    try:
+        pool.start()
+        rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "poisoned row", "answer": "7"}]
+        scored = pool.score(["2", "3", "7 POISON", "7"], rows, group_size=2).result()
+    finally:
+        for f in pool.stop():
+            try:
+                f.get(timeout=30)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+    took = time.perf_counter() - t0
+    assert [s.parts[name] for s in scored] == [1.0, 0.0, 0.0, 1.0]
+    assert [s.reward for s in scored] == [1.5, 0.0, 0.5, 1.5]
+    assert list(scored[2].failures) == [name] and scored[2].failures[name].startswith("crashed:")
+    assert "stopped answering" in scored[2].failures[name], scored[2].failures[name]
+    assert not any(s.failures for i, s in enumerate(scored) if i != 2)
+    assert budget.used == 0
+    err = capfd.readouterr().err
+    assert f"reward function '{name}' kills its reward process" in err, err[-3000:]
+    assert "sample 2 of the request: row (answer '7', prompt 'poisoned row')" in err, err[-3000:]
+    print(f"took {took:.1f}s")
+
+
 # ---- 17: a trainer death names its rank and pid ------------------------------------------------------------------
 def test_a_trainer_death_names_its_rank_and_pid():
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
