@@ -14,9 +14,11 @@ template renders: a tool result, the game's feedback), a reward for the turn, an
             return StepResult([{"role": "user", "content": "no, try again"}])
 
 Both methods may be `async def` (an environment that calls a sandbox or a service awaits it; many episodes run
-concurrently on one event loop in the controller) or plain functions (run in a worker thread, so a slow one never
-blocks the others). An environment that raises or outlives `EnvConfig.timeout_s` ends its episode with reward 0,
-counted in the step's metrics; the run goes on.
+concurrently) or plain functions (run in a thread, so a slow one never blocks the others). Environments live in
+environment processes (`--env.workers`, meshrl.rollout.env_pool), constructed there from their class by name. An
+environment that raises or outlives `EnvConfig.timeout_s` ends its episode with reward 0, counted in the step's
+metrics; one that holds its process's interpreter or crashes it costs that process's episodes, and the process is
+replaced; the run goes on.
 
 Environments never see token ids: the controller renders their messages with the model's chat template and keeps
 the episode token-in / token-out (meshrl.rollout.episode). No Monarch imports here.
