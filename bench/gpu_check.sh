@@ -15,7 +15,7 @@
 # Carry `.whl` (../shared/gpu/make-wheels.sh). Step times are medians of steps 3 to the end; the overlap is the
 # time generation (a generator's generate and pull_weights) and training (trainer rank 0's forward_backward) run at
 # once over the last 5 steps, as a share of the shorter of the two. Prints the table last; JSON in
-# $OUT/gpu_check.json, each run's log, metrics.jsonl, timeline.jsonl and timeline.png under $OUT.
+# $OUT/gpu_check.json, each run's log, metrics.jsonl and timeline.png under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEPS=${GPU_CHECK_STEPS:-8}
@@ -35,8 +35,11 @@ declare -A LAYOUT=(
   # a second generator on the trainer's GPU: generation on both GPUs, training on GPU 0
   [split2-async]="--trainer.devices 0 --generator.num-replicas 2 --generator.devices 1 0 --grpo.max-staleness 1"
   [split2-async-fast]="--trainer.devices 0 --generator.num-replicas 2 --generator.devices 1 0 --grpo.max-staleness 1 $FAST"
+  # what --placement.gpus 2 chooses (split-async, by the flag a user gives)
+  [gpus2]="--placement.gpus 2"
+  [gpus2-fast]="--placement.gpus 2 $FAST"
 )
-ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast)
+ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast)
 GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *) echo 2 ;; esac; }
 
 names=("$@")
@@ -108,7 +111,7 @@ for name in "${names[@]}"; do
       python3 -m meshrl.controller.grpo $BASE ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
       | grep -v -E "Warning|warnings.warn" > "$OUT/gpu_check_$run.log"; tail -4 "$OUT/gpu_check_$run.log"; \
       grep -E "weight sync:|placement:" "$OUT/gpu_check_$run.log")
-    for f in metrics.jsonl timeline.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
+    for f in metrics.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
     rows+=("$run:$name:$tree")
   done
 done

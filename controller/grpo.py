@@ -226,6 +226,7 @@ def main(
         f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"
         f"[meshrl] starting {cfg.trainer.num_procs} trainer + {cfg.generator.num_replicas} generator + "
         f"{0 if setup.rewards is None else cfg.scoring.num_procs} reward processes from {model_dir}"
+        + (f"\n[meshrl] {note}" if (note := cfg.gpu_layout_note()) else "")
     )
 
     # ---- How it samples: the sampling parameters, the controller's randomness, checkpoints, evaluation ---------

@@ -22,7 +22,7 @@ devices are `meshrl.preflight`'s. Presets live in `meshrl.configs`; the CLI (tyr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshrl.algorithms_config import GRPOConfig, check_algorithm
 from meshrl.data.prompts import DataConfig
@@ -151,6 +151,9 @@ class GRPORunConfig:
                 "buffer of --generator.weight-sync shm/cuda_ipc/auto holds 2: use --generator.weight-sync torchstore, "
                 "or --grpo.max-staleness 1"
             )
+        if self.placement.gpus is not None:
+            self._lay_out_gpus(self.placement.gpus)
+            k = self.grpo.max_staleness
         if k and self.generator.sleep_level:
             raise ConfigError(
                 f"generator.sleep_level={self.generator.sleep_level} with grpo.max_staleness={k}: the asynchronous "
@@ -195,6 +198,39 @@ class GRPORunConfig:
                     f"{self.generator.max_model_len}; raise max_model_len to at least "
                     f"{longest_prompt + self.generator.max_tokens}"
                 )
+
+    def _lay_out_gpus(self, gpus: int) -> None:
+        """--placement.gpus N: the measured layout (meshrl.placement.MEASURED_GPU_LAYOUTS), filling in only what was
+        not placed explicitly. Runs again on each copy (dataclasses.replace) and gives the same result."""
+        if self.trainer.device != "cuda":
+            raise ConfigError(
+                f"--placement.gpus {gpus} lays out GPUs, but --trainer.device is {self.trainer.device!r}; add "
+                "--trainer.device cuda (and --generator.dtype / --model.dtype as wanted)"
+            )
+        if self.trainer.num_procs != 1 and self.trainer.devices is None:
+            raise ConfigError(
+                f"--placement.gpus {gpus} lays out one trainer rank, but --trainer.num-procs is "
+                f"{self.trainer.num_procs}: place the ranks with --trainer.devices (e.g. 0 1) and --generator.devices"
+            )
+        generator_gpu = 1 if gpus >= 2 else 0
+        if self.trainer.devices is None:
+            self.trainer = replace(self.trainer, devices=[0])
+        if self.generator.devices is None:
+            self.generator = replace(self.generator, devices=[generator_gpu])
+        if gpus >= 2 and self.grpo.max_staleness == 0 and self.generator.devices != self.trainer.devices:
+            self.grpo = replace(self.grpo, max_staleness=1)  # generation on its own GPU overlaps training
+
+    def gpu_layout_note(self) -> str | None:
+        """What --placement.gpus chose, for the run's log (None when it is unset)."""
+        from meshrl.placement import MEASURED_GPU_LAYOUTS
+
+        gpus = self.placement.gpus
+        if gpus is None:
+            return None
+        return (
+            f"--placement.gpus {gpus}: trainer on GPU {self.trainer.devices}, generators on GPU "
+            f"{self.generator.devices}, max-staleness {self.grpo.max_staleness} ({MEASURED_GPU_LAYOUTS[gpus]})"
+        )
 
 
 def check_task(cfg) -> None:

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 from meshrl.errors import ConfigError
 
+MEASURED_GPU_LAYOUTS = {
+    1: "trainer and generators on GPU 0, the synchronous loop",
+    2: "trainer on GPU 0, generators on GPU 1, the asynchronous loop (max-staleness 1): measured 0.52-0.60x the "
+    "one-GPU step on 2x H100 (bench/NOTES.md), where a second generator on the trainer's GPU was slower",
+}
+"""`--placement.gpus` N -> the layout it chooses, and why (bench/gpu_check.sh measures each)."""
+
 
 @dataclass
 class PlacementConfig:
@@ -78,6 +85,16 @@ class PlacementConfig:
     """k8s: the name of the trainer's mesh (the mesh-name label of its pods, or its MonarchMesh)."""
     k8s_rollout_mesh: str = "rollout"
     """k8s: the name of the rollout mesh (generators and reward processes)."""
+    gpus: int | None = None
+    """GPUs of this machine the run lays its processes out over (the first N it sees), in the layout measured
+    fastest for that count (bench/gpu_check.sh, bench/NOTES.md); --trainer.devices / --generator.devices given
+    explicitly win. 1: trainer and generators share GPU 0 (the synchronous loop; generators sleep while the trainer
+    trains). 2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, and the asynchronous loop
+    (--grpo.max-staleness 1 unless set: samples are one policy version old) — 0.52-0.60x the one-GPU step on 2x
+    H100; a second generator on the trainer's GPU measured slower there, since the trainer is the slower side. For
+    the synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More GPUs:
+    not measured yet; place the processes with those flags. Unset: every process on the default GPU unless those
+    flags say otherwise. The run prints the layout and why."""
     k8s_kubeconfig: str | None = None
     """k8s: a kubeconfig file, for a controller outside the cluster (Monarch port-forwards to a pod). Unset: the
     controller runs in the cluster (a pod or Job) and uses the in-cluster config."""
@@ -108,10 +125,25 @@ class PlacementConfig:
             )
         if self.start_timeout_s is not None and self.start_timeout_s <= 0:
             raise ConfigError(f"--placement.start-timeout-s={self.start_timeout_s} must be > 0 (or unset: no limit)")
+        if self.gpus is not None:
+            self._check_gpus()
         if self.kind == "slurm":
             self._check_slurm()
         if self.kind == "k8s":
             self._check_k8s()
+
+    def _check_gpus(self) -> None:
+        if self.gpus not in MEASURED_GPU_LAYOUTS:
+            raise ConfigError(
+                f"--placement.gpus {self.gpus}: layouts are measured for {sorted(MEASURED_GPU_LAYOUTS)} GPUs; for "
+                "more, place the processes with --trainer.devices / --generator.devices (and --trainer.num-procs, "
+                "--generator.num-replicas)"
+            )
+        if self.kind != "local":
+            raise ConfigError(
+                f"--placement.gpus lays out the GPUs of this machine, but --placement {self.kind} starts processes "
+                "on other hosts; place them there with --trainer.devices / --generator.devices"
+            )
 
     def _check_scopes(self) -> None:
         from dataclasses import fields

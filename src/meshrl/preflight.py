@@ -33,6 +33,8 @@ def check_run_inputs(cfg: AnyRunConfig, *, generator: bool = True) -> None:
         check_model_dir(cfg.model.path, cfg.model.backend if trainer is not None else None)
         check_tokenizer_fits(None, cfg.model.path)
     reference_procs = cfg.grpo.reference_procs if isinstance(cfg, GRPORunConfig) and cfg.grpo.needs_reference else None
+    if isinstance(cfg, GRPORunConfig) and cfg.placement.gpus is not None:
+        check_gpu_count(cfg.placement.gpus)
     check_process_counts(trainer, cfg.generator, reference_procs=reference_procs)
     check_context(cfg, generator=generator)
 
@@ -197,6 +199,18 @@ def visible_gpus() -> int | None:
             break
         count += 1
     return count if installed is None else min(count, installed)
+
+
+def check_gpu_count(gpus: int) -> None:
+    """--placement.gpus N needs N GPUs that this process sees."""
+    seen = visible_gpus() or 0
+    if seen < gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = "the driver's list" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+        raise ConfigError(
+            f"--placement.gpus {gpus}, but this process sees {seen} GPU{'s' if seen != 1 else ''} ({where}); use "
+            f"--placement.gpus {max(seen, 1)}{' or make the GPUs visible' if visible is not None else ''}"
+        )
 
 
 def check_process_counts(
