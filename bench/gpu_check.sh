@@ -38,6 +38,7 @@ declare -A LAYOUT=(
   # what --placement.gpus 2 chooses (split-async, by the flag a user gives)
   [gpus2]="--placement.gpus 2"
   [gpus2-fast]="--placement.gpus 2 $FAST"
+  [gpus2-mb128]="--placement.gpus 2 --trainer.micro-batch-size 128"
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast)
 GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *) echo 2 ;; esac; }
@@ -106,6 +107,7 @@ for name in "${names[@]}"; do
     run=$name
     [ ${#trees[@]} -gt 1 ] && run="$name-t$i"
     assemble "$tree" "$i" || exit 1
+    rm -rf "/tmp/gc/runs/$run"  # a run of an earlier call on this machine: never read as this one's
     echo "== $run: ${LAYOUT[$name]} ($tree)"
     (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
       python3 -m meshrl.controller.grpo $BASE ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \

@@ -110,6 +110,10 @@ class WarmupConfig:
             )
 
 
+GPU_ALONE_MICRO_BATCH = 128
+"""--trainer.micro-batch-size that --placement.gpus gives a trainer with a GPU of its own (unless set otherwise)."""
+
+
 @dataclass
 class GRPORunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -201,12 +205,15 @@ class GRPORunConfig:
 
     def _lay_out_gpus(self, gpus: int) -> None:
         """--placement.gpus N: the measured layout (meshrl.placement.MEASURED_GPU_LAYOUTS), filling in only what was
-        not placed explicitly. Runs again on each copy (dataclasses.replace) and gives the same result."""
+        not placed explicitly (devices unset, counts and the micro-batch cap at their defaults). Runs again on each
+        copy (dataclasses.replace) and gives the same result."""
         if self.trainer.device != "cuda":
             raise ConfigError(
                 f"--placement.gpus {gpus} lays out GPUs, but --trainer.device is {self.trainer.device!r}; add "
                 "--trainer.device cuda (and --generator.dtype / --model.dtype as wanted)"
             )
+        if self.trainer.devices is None and self.trainer.num_procs == TrainerConfig.num_procs:
+            self.trainer = replace(self.trainer, num_procs=1)  # the CPU default; the layout has one trainer rank
         if self.trainer.num_procs != 1 and self.trainer.devices is None:
             raise ConfigError(
                 f"--placement.gpus {gpus} lays out one trainer rank, but --trainer.num-procs is "
@@ -219,6 +226,11 @@ class GRPORunConfig:
             self.generator = replace(self.generator, devices=[generator_gpu])
         if gpus >= 2 and self.grpo.max_staleness == 0 and self.generator.devices != self.trainer.devices:
             self.grpo = replace(self.grpo, max_staleness=1)  # generation on its own GPU overlaps training
+        alone = not set(self.generator.devices) & set(self.trainer.devices)
+        if alone and self.trainer.micro_batch_size == TrainerConfig.micro_batch_size:
+            # The trainer has its GPU to itself: calls of up to 128 sequences, which the token budget (the device's
+            # free memory) still bounds. Measured on 2x H100: 8 calls of 32 -> 3 calls, train 1.88 -> 1.40 s (median).
+            self.trainer = replace(self.trainer, micro_batch_size=GPU_ALONE_MICRO_BATCH)
 
     def gpu_layout_note(self) -> str | None:
         """What --placement.gpus chose, for the run's log (None when it is unset)."""
@@ -229,7 +241,8 @@ class GRPORunConfig:
             return None
         return (
             f"--placement.gpus {gpus}: trainer on GPU {self.trainer.devices}, generators on GPU "
-            f"{self.generator.devices}, max-staleness {self.grpo.max_staleness} ({MEASURED_GPU_LAYOUTS[gpus]})"
+            f"{self.generator.devices}, max-staleness {self.grpo.max_staleness}, micro-batches of up to "
+            f"{self.trainer.micro_batch_size} ({MEASURED_GPU_LAYOUTS[gpus]})"
         )
 
 

@@ -15,8 +15,9 @@ from meshrl.errors import ConfigError
 
 MEASURED_GPU_LAYOUTS = {
     1: "trainer and generators on GPU 0, the synchronous loop",
-    2: "trainer on GPU 0, generators on GPU 1, the asynchronous loop (max-staleness 1): measured 0.52-0.60x the "
-    "one-GPU step on 2x H100 (bench/NOTES.md), where a second generator on the trainer's GPU was slower",
+    2: "trainer on GPU 0 with micro-batches of up to 128, generators on GPU 1, the asynchronous loop (max-staleness "
+    "1): measured 0.42x the one-GPU step on 2x H100 (median; 0.60x with micro-batches of 32; bench/NOTES.md), "
+    "where a second generator on the trainer's GPU was slower",
 }
 """`--placement.gpus` N -> the layout it chooses, and why (bench/gpu_check.sh measures each)."""
 
@@ -87,14 +88,16 @@ class PlacementConfig:
     """k8s: the name of the rollout mesh (generators and reward processes)."""
     gpus: int | None = None
     """GPUs of this machine the run lays its processes out over (the first N it sees), in the layout measured
-    fastest for that count (bench/gpu_check.sh, bench/NOTES.md); --trainer.devices / --generator.devices given
-    explicitly win. 1: trainer and generators share GPU 0 (the synchronous loop; generators sleep while the trainer
-    trains). 2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, and the asynchronous loop
-    (--grpo.max-staleness 1 unless set: samples are one policy version old) — 0.52-0.60x the one-GPU step on 2x
-    H100; a second generator on the trainer's GPU measured slower there, since the trainer is the slower side. For
-    the synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More GPUs:
-    not measured yet; place the processes with those flags. Unset: every process on the default GPU unless those
-    flags say otherwise. The run prints the layout and why."""
+    fastest for that count (bench/gpu_check.sh, bench/NOTES.md), for what is not set otherwise: devices unset,
+    --trainer.num-procs, --trainer.micro-batch-size and --grpo.max-staleness at their defaults (one trainer rank).
+    1: trainer and generators share GPU 0 (the synchronous loop; generators sleep while the trainer trains).
+    2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, the asynchronous loop
+    (--grpo.max-staleness 1: samples are one policy version old), micro-batches of up to 128 sequences (the trainer
+    has the GPU to itself; the token budget still bounds each call) — 0.42x the one-GPU step on 2x H100 (median of
+    steps); a second generator on the trainer's GPU measured slower there, since the trainer is the slower side.
+    For the synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More
+    GPUs: not measured yet; place the processes with those flags. Unset: every process on the default GPU unless
+    those flags say otherwise. The run prints the layout and why."""
     k8s_kubeconfig: str | None = None
     """k8s: a kubeconfig file, for a controller outside the cluster (Monarch port-forwards to a pod). Unset: the
     controller runs in the cluster (a pod or Job) and uses the in-cluster config."""
