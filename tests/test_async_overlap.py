@@ -1,4 +1,5 @@
-"""The asynchronous loop overlaps generation and training — asserted from the real program's timeline (issue 32).
+"""The asynchronous loop overlaps generation and training — asserted from the real program's timeline (issue 32) —
+and the loop's GPU-only paths (memory readings, the memory hand-off) run on CPU.
 
 On a GPU the loop once waited, at every step, for a memory reading queued behind the generator's next round, so the
 trainer idled through every round (no overlap, 1.11x the synchronous step). CPU runs now take the same memory
@@ -66,3 +67,31 @@ def test_generators_cannot_sleep_in_the_asynchronous_loop():
     generator = dataclasses.replace(cfg.generator, sleep_level=1)
     with pytest.raises(ConfigError, match=r"sleep_level=1 with grpo.max_staleness=1.*--generator.sleep-level"):
         dataclasses.replace(cfg, generator=generator, grpo=dataclasses.replace(cfg.grpo, max_staleness=1))
+
+
+def test_the_memory_hand_off_runs_on_cpu_through_the_real_program(tmp_path):
+    """The colocated hand-off (the generators sleep while the trainer trains, wake before the weights load) was a
+    GPU-only path of the loop; the transformers engine sleeps on CPU too, so a CPU run takes it when asked."""
+    from meshrl.controller import grpo
+
+    steps = 3
+    argv = [
+        "--preset", "tiny-reverse", "--warmup.steps", "0", "--grpo.steps", str(steps), "--grpo.prompts-per-step", "4",
+        "--grpo.group-size", "4", "--trainer.num-procs", "1", "--trainer.micro-batch-size", "8",
+        "--generator.engine", "transformers", "--generator.sleep-level", "1", "--reverse.num-train", "16",
+        "--reverse.num-eval", "4", "--eval.samples", "0", "--run.output-dir", str(tmp_path), "--run.name", "handoff",
+    ]  # fmt: skip
+    grpo.main(parse_run_config(GRPORunConfig, argv=argv))
+    run = tmp_path / "handoff"
+    rl = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["phase"] == "rl"]
+    assert len(rl) == steps
+    for r in rl:  # awake while generating, asleep (no KV cache) once the step is trained
+        assert r["memory/generate/generator0_sleep_level"] == 0 and r["memory/train/generator0_sleep_level"] == 1
+        assert r["memory/train/generator0_kv_cache_gib"] == 0
+    sleeps, wakes = _intervals(run, "generator", "sleep"), _intervals(run, "generator", "wake_up")
+    trains, pushes = _intervals(run, "trainer", "forward_backward"), _intervals(run, "trainer", "push_weights")
+    assert len(sleeps) == steps and len(trains) == 2 * steps  # 16 samples, micro-batches of 8
+    for s in range(steps):  # each step: sleep, then train, then wake before its weights are pushed
+        first, last = trains[2 * s], trains[2 * s + 1]
+        assert sleeps[s]["end"] <= first["start"] and last["end"] <= wakes[s]["start"]
+        assert wakes[s]["end"] <= next(p for p in pushes if p["start"] >= last["end"])["start"]
