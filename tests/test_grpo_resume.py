@@ -83,7 +83,8 @@ def straight(out):
 
 @pytest.fixture(scope="module")
 def killed(out):
-    """The same run on the command line; one trainer process is SIGKILLed once the first checkpoint exists."""
+    """The same run on the command line; one trainer process is SIGKILLed once the step-4 checkpoint exists (the
+    controller is paused meanwhile, so that the kill lands mid-run: the run's steps take a fraction of a second)."""
     cmd = [sys.executable, "-m", "meshrl.controller.grpo", *FLAGS, "--run.output-dir", str(out), "--run.name", "b"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     pids = None
@@ -92,10 +93,15 @@ def killed(out):
             pids = [int(p) for p in m.group(1).split(",")]
             break
     assert pids, "the run did not report its trainer processes"
-    ckpts, deadline = out / "b" / "checkpoints", time.time() + 300
-    while not list(ckpts.glob("step_*")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    os.kill(pids[1], signal.SIGKILL)  # 4 RL steps are still to go: the kill lands mid-run
+    checkpoint, deadline = out / "b" / "checkpoints" / "step_00000004", time.time() + 300
+    while not checkpoint.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert checkpoint.exists(), "the run wrote no checkpoint at step 4"
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        os.kill(pids[1], signal.SIGKILL)  # 2 RL steps are still to go
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
     try:
         _, err = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -116,15 +122,31 @@ def test_killed_trainer_process_names_last_checkpoint_and_resume_command(killed)
     assert "--grpo.steps 6" in command.group(2)  # the run's own flags are repeated: same config on resume
 
 
-def test_resumed_run_equals_the_straight_run_bitwise(out, straight, killed):
+def test_resume_skips_a_damaged_newest_checkpoint_and_equals_the_straight_run_bitwise(out, straight, killed):
+    """The killed run's newest checkpoint (step 4) has one byte of a trainer shard changed in place (same size: only
+    the checksum tells). The resume command, run as printed, says it skips that checkpoint and why, resumes from
+    step 2 and finishes the run, which equals the straight run bitwise."""
+    from meshrl.checkpoint import CheckpointManager
+
     (a, summary_a), (_, err) = straight, killed
+    b = out / "b"
+    newest = CheckpointManager(b).complete()[-1]
+    assert newest.name == "step_00000004"
+    shard = max((newest / "trainer").rglob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
     command = shlex.split(re.search(r"resume with: (.*)", err).group(1))
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)  # as printed
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"resumed from .*step_\d{8} at step [24] ", proc.stdout), proc.stdout[-3000:]
+    assert f"skipping checkpoint {newest}: trainer/{shard.relative_to(newest / 'trainer')} does not match" in (
+        proc.stdout
+    ), proc.stdout[-3000:]
+    assert "falling back to step_00000002" in proc.stdout
+    assert re.search(r"resumed from .*step_00000002 at step 2 ", proc.stdout), proc.stdout[-3000:]
     assert "supervised warm-up" not in proc.stdout  # done before the checkpoint: not repeated
 
-    b = out / "b"
     ra, rb = _records(a), _records(b)
     assert [r["step"] for r in rb if r["phase"].startswith("rl")] == list(range(STEPS))  # each step once
     assert [r["phase"] for r in rb if not r["phase"].startswith("rl")] == ["warmup"] * 2 + ["eval"] * 3
@@ -173,37 +195,6 @@ def test_sigterm_ends_the_run_with_the_resume_command_and_cleans_up(out):
     # Another run on this machine (a test run beside this one) holds its own files: named by its live pid.
     left = [f for f in left if not (f.split("-")[2].isdigit() and os.path.exists(f"/proc/{f.split('-')[2]}"))]
     assert not left, left
-
-
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_still_resumes_bitwise(out, straight):
-    """A copy of the finished run whose newest checkpoint (step 6) had one byte of a trainer shard changed in place
-    (same size: only the checksum tells): `--run.resume latest` says it skips it and why, resumes from step 4, and
-    the steps it re-runs equal the straight run's."""
-    import shutil
-
-    from meshrl.checkpoint import CheckpointManager
-
-    a, _ = straight
-    d = out / "d"
-    shutil.copytree(a, d, ignore=shutil.ignore_patterns(".lock"))
-    newest = CheckpointManager(d).complete()[-1]
-    assert newest.name == "step_00000006"
-    shard = max((newest / "trainer").rglob("*.distcp"), key=lambda p: p.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-
-    argv = [*FLAGS, "--run.output-dir", str(out), "--run.name", "d", "--run.resume", "latest"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshrl.controller.grpo", *argv], capture_output=True, text=True, timeout=600, env=ENV
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"skipping checkpoint {newest}: trainer/{shard.relative_to(newest / 'trainer')} does not match" in (
-        proc.stdout
-    ), proc.stdout[-3000:]
-    assert "falling back to step_00000004" in proc.stdout
-    assert re.search(r"resumed from .*step_00000004 at step 4 ", proc.stdout), proc.stdout[-3000:]
-    assert _records(d) == _records(a)
 
 
 def test_a_run_name_in_use_is_refused_without_resume(out, straight):

@@ -52,12 +52,25 @@ def straight(tmp_path_factory):
     return out, summary
 
 
-def test_stop_and_resume_matches_a_straight_run_bitwise(straight):
+@pytest.fixture(scope="module")
+def stopped(straight):
+    """The straight run's config stopped after step 3 (its checkpoint written), as run 'split', and a copy of that
+    run directory as 'reshard': the two tests below resume the same stopped run, on 2 ranks and on 1."""
+    import shutil
+
     from meshrl.controller import sft
 
-    out, summary = straight
+    out, _ = straight
     stopped = sft.main(_cfg(out, "split", stop_at_step=3))
     assert stopped["stopped_at"] == 3
+    shutil.copytree(out / "split", out / "reshard", ignore=shutil.ignore_patterns(".lock"))
+    return out
+
+
+def test_stop_and_resume_matches_a_straight_run_bitwise(stopped):
+    from meshrl.controller import sft
+
+    out = stopped
     sft.main(_cfg(out, "split", resume="latest"))
     a, b = _losses(out / "straight"), _losses(out / "split")
     assert [s for s, _ in b] == list(range(6))  # each step logged once: no step repeated or skipped
@@ -67,13 +80,12 @@ def test_stop_and_resume_matches_a_straight_run_bitwise(straight):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_resume_on_a_different_number_of_trainer_ranks(straight):
+def test_resume_on_a_different_number_of_trainer_ranks(stopped):
     """DCP reshards on load: resume a 2-rank checkpoint on 1 rank. Not bitwise (the gradient reduction order
     changes with the rank count), so within a tight tolerance."""
     from meshrl.controller import sft
 
-    out, _ = straight
-    sft.main(_cfg(out, "reshard", stop_at_step=3))
+    out = stopped
     sft.main(_cfg(out, "reshard", num_procs=1, resume="latest"))
     a, b = _losses(out / "straight"), _losses(out / "reshard")
     assert [s for s, _ in b] == list(range(6))
