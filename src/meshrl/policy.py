@@ -325,6 +325,8 @@ class Policy:
         nonfinite = (~torch.isfinite(scaled.detach())).to(torch.float32)
         # Per-datum rows only when asked (LossSpec.return_logprobs): queued before backward, ready when forward is.
         logprobs_on_host = host_copy_when_ready(logprobs) if loss.return_logprobs else None
+        if self.trainer_cfg.defer_grad_sync:
+            self._gradient_sync(last=step is not None)
         with record_function("meshrl.backward"):
             scaled.backward()
         with record_function("meshrl.results"):
@@ -436,6 +438,15 @@ class Policy:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.num_micro_batches = 0
+
+    def _gradient_sync(self, *, last: bool) -> None:
+        """--trainer.defer-grad-sync: FSDP2 reduce-scatters the gradients (and reshards the parameters) only in the
+        step's last backward; the calls before it accumulate unsharded gradients on each rank."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.world_size > 1 and isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
 
     def _reshard(self) -> None:
         """FSDP2 keeps the root module's parameters unsharded after a forward without backward, and swaps the module's
