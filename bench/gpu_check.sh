@@ -6,7 +6,8 @@
 # tokenizer, the vocabulary sized to it so the launch checks pass), 32 prompts x 8 samples, 256 new tokens, hf
 # trainer and transformers engine in bf16 (../shared/GPU.md, "Running the real program there").
 #
-#   bash bench/gpu_check.sh                         # every layout the machine's GPUs allow, then the GPU tests
+#   bash bench/gpu_check.sh                         # 1gpu, gpus2 and split-sync (those the GPUs allow), the GPU tests
+#   bash bench/gpu_check.sh all                     # every layout the machine's GPUs allow (over 10 min on 2 GPUs)
 #   bash bench/gpu_check.sh 1gpu split-async        # some layouts (names below); `tests`: the GPU-only tests
 #   GPU_CHECK_TREES="/tmp/before ." bash bench/gpu_check.sh 1gpu   # a baseline tree (e.g. an older commit's `git
 #                                                   # archive`) and this one, same flags, same machine
@@ -44,9 +45,12 @@ ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split
 GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *) echo 2 ;; esac; }
 
 names=("$@")
-if [ ${#names[@]} -eq 0 ]; then
-  for n in "${ORDER[@]}"; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
+if [ ${#names[@]} -eq 0 ]; then  # the check (~6 min on 2x H100, one device call): 1 GPU, the 2-GPU default, tests
+  for n in 1gpu gpus2 split-sync; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
   names+=(tests)
+elif [ " ${names[*]} " = " all " ]; then  # every layout this machine's GPUs allow (two device calls' worth)
+  names=()
+  for n in "${ORDER[@]}"; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
 fi
 
 if [ " ${names[*]} " != " tests " ] && [ ! -f /tmp/gc/model/config.json ]; then
