@@ -112,6 +112,7 @@ class Controller:
         self.failures: list[str] = []  # actor failures (controller/process.py), "trainer frozen"
         record_faults(self.failures)
         self._episode_renderers: dict[str, Any] = {}  # run_episodes: render config -> EpisodeRenderer
+        self._env_processes: dict[str, Any] = {}  # run_episodes: environment config -> its processes (EnvWorkers)
         # Every process mesh comes from the provisioner: this machine, or Monarch workers on other hosts.
         self.provision = placement if isinstance(placement, Provisioner) else Provisioner(placement)
         # Generator and reward processes are replaced when they die or freeze, within one run-wide budget.
@@ -395,9 +396,11 @@ class Controller:
     ) -> list[Any]:
         """Multi-turn episodes of `env` on the generators: `group_size` per row, laid out row by row. `env`: a
         name ('calculator', 'pkg.mod:Class'), an `meshrl.envs.Environment` subclass, a function making one, or an
-        `EnvConfig`. `rows`: `Row`s, row dicts ({"prompt", "answer", ...}) or prompt strings. Each result is a
-        `meshrl.rollout.runner.Episode`: `.tokens.datum(advantage)` is its training sequence (loss on the model's
-        tokens only), `.outcome` its reward, per-turn rewards, messages and metrics.
+        `EnvConfig` — by name or config, the environments run in environment processes (`EnvConfig.workers`),
+        a class or function in this process's threads. `rows`: `Row`s, row dicts ({"prompt", "answer", ...}) or
+        prompt strings. Each result is a `meshrl.rollout.runner.Episode`: `.tokens.datum(advantage)` is its
+        training sequence (loss on the model's tokens only), `.outcome` its reward, per-turn rewards, messages
+        and metrics.
 
             episodes = ctl.run_episodes("calculator", rows, group_size=8, max_turns=3)
         """
@@ -410,12 +413,18 @@ class Controller:
 
         self._need("generators", self.generators)
         if isinstance(env, str):
-            env = EnvConfig(name=env)
-        group_rewards = None
+            env = EnvConfig(name=env, timeout_s=timeout_s)
+        group_rewards, envs = None, None
         if isinstance(env, EnvConfig):
             cls, make = env.factory()
             group_rewards = cls.group_rewards
-        else:
+            # By name, the environments run in processes of their own (--env.workers), as in the programs: a step
+            # that hangs holding the interpreter or crashes costs its episode, not this process. Kept per config
+            # for the next calls; stopped at shutdown.
+            if (key := repr(env)) not in self._env_processes:
+                self._env_processes[key] = env.processes()
+            envs = self._env_processes[key]
+        else:  # a class or a function: in this process's threads (it may not be importable by name elsewhere)
             make = env
             group_rewards = getattr(env, "group_rewards", None)
         key = repr(render)  # the model's tokenizer is loaded once per render config, not on every call
@@ -431,7 +440,7 @@ class Controller:
         def as_row(r: Any) -> Row:  # a prompt string, or a Row / row dict as everywhere else (data.prompts.as_row)
             return Row(r) if isinstance(r, str) else row_of(r)
 
-        runner = EpisodeRunner(make, episode_renderer, self.complete, limits, group_rewards=group_rewards)
+        runner = EpisodeRunner(make, episode_renderer, self.complete, limits, group_rewards=group_rewards, envs=envs)
         return runner.run([as_row(r) for r in rows], group_size, sampling, seed)
 
     def timeline(self) -> list[dict[str, Any]]:
@@ -458,6 +467,9 @@ class Controller:
     def shutdown(self) -> None:
         # After a process died (or its host was lost), do not wait long on a mesh that cannot answer.
         timeout = 10 if self.failures or self.provision.lost else 60
+        for envs in self._env_processes.values():
+            if envs is not None:
+                envs.close()
         if self.weights is not None:
             self.weights.close_store(timeout)
         # Consumers first (all at once), the trainer last: generators still map the trainer's weight buffer

@@ -165,7 +165,9 @@ def test_controller_api_runs_episodes_and_trains_on_them(straight):
     with Controller.start(cfg, model_dir=str(run_dir / "final_model")) as ctl:
         episodes = ctl.run_episodes(CalculatorEnv, rows, group_size=4, max_turns=3, seed=5)
         again = ctl.run_episodes("calculator", rows, group_size=4, max_turns=3, seed=5)
+        # the class in this process's threads, the name in environment processes: the same episodes
         assert [e.tokens.tokens for e in episodes] == [e.tokens.tokens for e in again]
+        assert list(ctl._env_processes) and all(p is not None for p in ctl._env_processes.values())
         rewards = [e.outcome.reward for e in episodes]
         advantages = compute_advantages(
             "group_mean", rewards, 4, turn_rewards=[e.outcome.turn_rewards for e in episodes]
