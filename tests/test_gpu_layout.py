@@ -33,8 +33,6 @@ def test_two_gpus_split_trainer_and_generator_and_run_ahead():
     # Left at its default, the micro-batch cap grows: the trainer has its GPU to itself.
     plain = parse_run_config(GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "2"])
     assert (plain.trainer.num_procs, plain.trainer.micro_batch_size) == (1, 128)  # the defaults are CPU's
-    # ...and the engines may fill the generators' GPU (no trainer there)
-    assert plain.generator.transformers.gpu_memory_utilization == plain.generator.vllm.gpu_memory_utilization == 0.9
     assert "trainer on GPU [0], generators on GPU [1], max-staleness 1, micro-batches of up to 128" in (
         plain.gpu_layout_note()
     )
@@ -47,7 +45,6 @@ def test_one_gpu_shares_it_synchronously():
     cfg = _cfg("--placement.gpus", "1")
     assert (cfg.trainer.devices, cfg.generator.devices, cfg.grpo.max_staleness) == ([0], [0], 0)
     assert cfg.trainer.micro_batch_size == 64  # the preset's: a shared GPU keeps it
-    assert cfg.generator.transformers.gpu_memory_utilization == 0.5  # and leaves the trainer its half
 
 
 def test_what_the_user_placed_wins():

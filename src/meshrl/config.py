@@ -110,8 +110,6 @@ class WarmupConfig:
             )
 
 
-GPU_ALONE_UTILIZATION = 0.9
-"""The engines' gpu_memory_utilization that --placement.gpus gives generators on GPUs without a trainer."""
 GPU_ALONE_MICRO_BATCH = 128
 """--trainer.micro-batch-size that --placement.gpus gives a trainer with a GPU of its own (unless set otherwise)."""
 
@@ -229,12 +227,6 @@ class GRPORunConfig:
         if gpus >= 2 and self.grpo.max_staleness == 0 and self.generator.devices != self.trainer.devices:
             self.grpo = replace(self.grpo, max_staleness=1)  # generation on its own GPU overlaps training
         alone = not set(self.generator.devices) & set(self.trainer.devices)
-        engines = {"transformers": self.generator.transformers, "vllm": self.generator.vllm}
-        if alone and all(e.gpu_memory_utilization == type(e).gpu_memory_utilization for e in engines.values()):
-            # The generators' GPUs hold no trainer: the engines may take 0.9 of them, not the half a colocated
-            # trainer leaves (a larger KV cache: more sequences decoded at once, longer ones).
-            self.generator = replace(self.generator, **{k: replace(e, gpu_memory_utilization=GPU_ALONE_UTILIZATION)
-                                                        for k, e in engines.items()})  # fmt: skip
         if alone and self.trainer.micro_batch_size == TrainerConfig.micro_batch_size:
             # The trainer has its GPU to itself: calls of up to 128 sequences, which the token budget (the device's
             # free memory) still bounds. Measured on 2x H100: 8 calls of 32 -> 3 calls, train 1.88 -> 1.40 s (median).

@@ -87,18 +87,17 @@ class PlacementConfig:
     k8s_rollout_mesh: str = "rollout"
     """k8s: the name of the rollout mesh (generators and reward processes)."""
     gpus: int | None = None
-    """GPUs of this machine the run lays its processes out over (the first N it sees), in the layout measured fastest
-    for that count (bench/gpu_check.sh, bench/NOTES.md), for what is not set otherwise: devices unset,
-    --trainer.num-procs, --trainer.micro-batch-size, --grpo.max-staleness and the engines' gpu-memory-utilization at
-    their defaults (one trainer rank). 1: trainer and generators share GPU 0 (the synchronous loop; generators sleep
-    while the trainer trains). 2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, the
-    asynchronous loop (--grpo.max-staleness 1: samples are one policy version old), micro-batches of up to 128
-    sequences (the trainer has the GPU to itself; the token budget still bounds each call), the engines'
-    gpu_memory_utilization 0.9 (no trainer on their GPU) — 0.42x the one-GPU step on 2x H100 (median of steps); a
-    second generator on the trainer's GPU measured slower there, since the trainer is the slower side. For the
-    synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More GPUs: not
-    measured yet; place the processes with those flags. Unset: every process on the default GPU unless those flags
-    say otherwise. The run prints the layout and why."""
+    """GPUs of this machine the run lays its processes out over (the first N it sees), in the layout measured
+    fastest for that count (bench/gpu_check.sh, bench/NOTES.md), for what is not set otherwise: devices unset,
+    --trainer.num-procs, --trainer.micro-batch-size and --grpo.max-staleness at their defaults (one trainer rank).
+    1: trainer and generators share GPU 0 (the synchronous loop; generators sleep while the trainer trains).
+    2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, the asynchronous loop
+    (--grpo.max-staleness 1: samples are one policy version old), micro-batches of up to 128 sequences (the trainer
+    has the GPU to itself; the token budget still bounds each call) — 0.42x the one-GPU step on 2x H100 (median of
+    steps); a second generator on the trainer's GPU measured slower there, since the trainer is the slower side.
+    For the synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More
+    GPUs: not measured yet; place the processes with those flags. Unset: every process on the default GPU unless
+    those flags say otherwise. The run prints the layout and why."""
     k8s_kubeconfig: str | None = None
     """k8s: a kubeconfig file, for a controller outside the cluster (Monarch port-forwards to a pod). Unset: the
     controller runs in the cluster (a pod or Job) and uses the in-cluster config."""
