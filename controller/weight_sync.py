@@ -154,11 +154,7 @@ class WeightSync:
         """Send the shared buffer's handle to every generator (once, after the first push). False where a generator
         could not open it and 'auto' went back to torchstore: two GPUs without peer access (a generator on another
         GPU than the trainer's maps the buffer's memory peer to peer)."""
-        handles = Pending(
-            [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
-        ).result()
-        (handle,) = [h for h in handles if h is not None]  # rank 0's
-        self.handle = handle
+        handle = self.handle = self._buffer_handle()
         try:
             Pending(
                 self.generators.send_all("attach_weight_buffer", handle), list, self.timeout_s, "attach_weight_buffer"
@@ -181,6 +177,14 @@ class WeightSync:
         ).result()  # fmt: skip
         self.transport, self.handle = "torchstore", None  # the trainer removed the buffer's files with it
         return False
+
+    def _buffer_handle(self) -> Any:
+        """Trainer rank 0's shared-buffer handle (the other ranks answer None)."""
+        handles = Pending(
+            [self.trainer.weight_buffer.call()], lambda v: list(v[0].values()), self.timeout_s, "weight_buffer"
+        ).result()
+        (handle,) = [h for h in handles if h is not None]
+        return handle
 
     def close_store(self, timeout_s: float) -> None:
         """Drop the torchstore and stop its volumes (best effort, at shutdown, before the processes stop)."""

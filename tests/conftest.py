@@ -89,6 +89,9 @@ TEST_LANES = {
     "test_run_safety::test_a_live_run_holds_its_directory_against_other_processes": "actors",
     "test_vllm_engine::test_multiprocess_engine_loads_weights_through_collective_rpc": "actors",
     "test_weight_sync_shared_buffer::test_cuda_ipc_through_the_actors_gpu": "actors",
+    "test_weight_sync_shared_buffer::test_auto_goes_on_with_torchstore_when_a_generator_cannot_open_the_buffer": (
+        "actors"
+    ),
     # the CLI as a subprocess
     "test_bad_inputs::test_cli_names_file_and_row_of_a_non_utf8_sft_row": "e2e",
     "test_bad_inputs::test_cli_refuses_a_truncated_checkpoint_before_any_process": "e2e",

@@ -312,3 +312,43 @@ def test_cuda_ipc_through_the_actors_gpu(tmp_path, tokenizer):
     finally:
         ctl.shutdown()
     assert not any(os.path.exists(f) for f in files)
+
+
+def test_auto_goes_on_with_torchstore_when_a_generator_cannot_open_the_buffer(base_model_dir, tokenizer, capfd):
+    """Two GPUs of one host without peer access cannot share the trainer's buffer: 'auto' picked cuda_ipc, the
+    generators' attach fails, and the run goes on over torchstore, saying so. STAND-IN for such a GPU pair (none
+    here): a CPU run whose transport is set to the shared buffer after 'auto' resolved, with the handle sent to the
+    generators pointing at a file that does not exist — the same failure, in the same place (the attach)."""
+    import dataclasses
+
+    from meshrl.controller.api import Controller
+
+    ctl = Controller(
+        model_dir=base_model_dir,
+        model_cfg=ModelConfig(),
+        trainer_cfg=TrainerConfig(num_procs=1, micro_batch_size=4),
+        generator_cfg=GeneratorConfig(engine="transformers", max_model_len=48, max_tokens=8, max_num_seqs=8),
+        tokenizer=tokenizer,
+        reward_weights=None,
+        call_timeout_s=TIMEOUT,
+    )
+    try:
+        weights = ctl.weights
+        assert (weights.requested, weights.transport) == ("auto", "torchstore")  # CPU: 'auto' never picks shm
+        weights.transport = "shm"  # as 'auto' picks cuda_ipc for GPUs of one host
+        ctl.trainer.set_weight_sync.call("shm", weights.store_name).get(timeout=TIMEOUT)
+        real = weights._buffer_handle
+        weights._buffer_handle = lambda: dataclasses.replace(real(), buffer=("shm", "/nonexistent/buffer", 1), held=())
+        version = _step(ctl, 80)
+        timing = ctl.sync_weights()
+        assert (timing.version, timing.transport, weights.transport, weights.handle) == (
+            version, "torchstore", "torchstore", None,
+        )  # fmt: skip
+        assert "could not open trainer rank 0's buffer" in capfd.readouterr().out
+        info = ctl.generators.actor(0).info.call_one().get(timeout=TIMEOUT)
+        assert (info["policy_version"], info["weight_sync"]) == (version, "torchstore")
+        probe = random_data(4, seed=14)
+        assert _max_diff(ctl.prompt_logprobs([d.tokens for d in probe]).result(), ctl.forward(probe).result()) < 1e-4
+        assert ctl.sync_weights().transport == "torchstore"  # and stays there
+    finally:
+        ctl.shutdown()
