@@ -38,7 +38,7 @@ from meshrl.controller.provision import Provisioner
 from meshrl.controller.rollouts import AheadSchedule, EnvRollout, Rollouts, SingleTurnRollout
 from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import attach_reference_logprobs, train_step
-from meshrl.controller.warmup import supervised_warmup
+from meshrl.controller.warmup import supervised_warmup, task_demonstrations
 from meshrl.data.sampler import EpochSampler
 from meshrl.metric_sinks import open_sinks
 from meshrl.plots import plot_training
@@ -221,6 +221,8 @@ def main(
                             turn_max_tokens=cfg.generator.max_tokens)  # fmt: skip
     else:  # the task's rows as one-turn episodes, scored by the rubric
         source = SingleTurnRollout(setup, cfg.generator.max_tokens)
+        if cfg.warmup.steps:  # a warm-up batch the reference answers cannot fill is refused before any process starts
+            task_demonstrations(setup, cfg.warmup, cfg.generator.max_model_len)
     print(
         f"[meshrl] run dir {run.path}\n[meshrl] task {task.name}: {'; '.join(setup.notes)}\n"
         f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"

@@ -12,6 +12,23 @@ from meshrl.tasks.setup import TaskSetup
 from meshrl.types import Datum, LossSpec
 
 
+def task_demonstrations(setup: TaskSetup, cfg, max_len: int) -> list[Datum]:
+    """The task's reference answers as cross-entropy sequences (those that fit in `max_len` tokens with their
+    prompt), checked to fill a warm-up batch (`cfg`: the WarmupConfig). Cheap: no process is needed, so the programs
+    call it before they start any (a batch the rows cannot fill is refused then, not after the processes are up)."""
+    demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
+    check_demonstration_count(len(demos), cfg, max_len)
+    return demos
+
+
+def check_demonstration_count(count: int, cfg, max_len: int) -> None:
+    if count < cfg.batch_size:
+        raise ConfigError(
+            f"warmup.batch_size={cfg.batch_size}, but only {count} training rows have a reference answer that "
+            f"fits in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
+        )
+
+
 def supervised_warmup(
     ctl: Controller,
     setup: TaskSetup,
@@ -30,12 +47,8 @@ def supervised_warmup(
     from meshrl.progress import progress
 
     if demos is None:  # `demos`: given by a multi-turn run (whole demonstrated episodes)
-        demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
-    if len(demos) < cfg.batch_size:
-        raise ConfigError(
-            f"warmup.batch_size={cfg.batch_size}, but only {len(demos)} training rows have a reference answer that "
-            f"fits in {max_len} tokens with its prompt; lower --warmup.batch-size (or --warmup.steps 0)"
-        )
+        demos = task_demonstrations(setup, cfg, max_len)
+    check_demonstration_count(len(demos), cfg, max_len)
     rng = random.Random(seed)
     for step in progress(range(cfg.steps), desc="warm-up (SFT)", total=cfg.steps):
         data = [demos[i] for i in rng.sample(range(len(demos)), cfg.batch_size)]

@@ -522,3 +522,15 @@ def test_cli_names_file_and_row_of_a_non_utf8_sft_row(base_model_dir, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"data error: {path}, row 2: not UTF-8 text: byte 0xc3"), proc.stderr
     assert "trainer processes" not in proc.stdout
+
+
+def test_a_warm_up_batch_the_rows_cannot_fill_is_refused_before_any_process_starts(tmp_path):
+    """It was refused after the trainer, generator and reward processes had started (~25 s wasted). The test runs
+    in the unit lane, whose guard fails it if a process starts."""
+    from meshrl.controller import grpo
+    from meshrl.controller.cli import parse_run_config
+
+    argv = ["--preset", "tiny-reverse", "--warmup.steps", "2", "--warmup.batch-size", "64", "--reverse.num-train",
+            "16", "--run.output-dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"warmup.batch_size=64, but only 16 training rows .*--warmup.batch-size"):
+        grpo.main(parse_run_config(GRPORunConfig, argv=argv))
