@@ -77,7 +77,9 @@ def test_a_real_sigstop_of_the_watching_process_is_not_a_freeze():
 
 
 # ---- 15: a reward that kills its process on one sample ----------------------------------------------------------
-def test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it(capfd):
+def _score_a_poisoned_sample(name: str, *, heartbeat_s: float):
+    """Reward processes scoring two groups of two with reward function `name` (its poison on the third completion)
+    and user_rewards:contains_answer (0.5); returns the scored samples and the restart budget (3)."""
     from meshrl.config import PlacementConfig
     from meshrl.controller.process import prepare_process
     from meshrl.controller.provision import Provisioner
@@ -86,13 +88,13 @@ def test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it(capfd
     from meshrl.rewards import Rubric, ScoringConfig
 
     prepare_process()  # as a program (or a Controller) does: Monarch's fault hook records, never exits, for good
-    rubric = Rubric({"user_rewards:segfaults_on_poison": 1.0, "user_rewards:contains_answer": 0.5}, ScoringConfig())
+    rubric = Rubric({name: 1.0, "user_rewards:contains_answer": 0.5}, ScoringConfig())
     budget = RestartBudget(3)
-    pool = RewardPool(Provisioner(PlacementConfig()), rubric, budget=budget, timeout_s=120, heartbeat_s=10)
+    pool = RewardPool(Provisioner(PlacementConfig()), rubric, budget=budget, timeout_s=120, heartbeat_s=heartbeat_s)
     try:
         pool.start()
         rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "poisoned row", "answer": "7"}]
-        completions = ["2", "3", "7 POISON", "7"]  # two groups of two; the third completion kills its process
+        completions = ["2", "3", "7 POISON", "7"]  # two groups of two; the third completion is the poisoned one
         scored = pool.score(completions, rows, group_size=2).result()
     finally:
         for f in pool.stop():
@@ -100,7 +102,12 @@ def test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it(capfd
                 f.get(timeout=30)
             except Exception:  # noqa: BLE001 - best effort
                 pass
+    return scored, budget
+
+
+def test_a_reward_that_segfaults_on_one_sample_scores_it_zero_and_names_it(capfd):
     name = "user_rewards:segfaults_on_poison"
+    scored, budget = _score_a_poisoned_sample(name, heartbeat_s=10)
     assert [s.parts[name] for s in scored] == [1.0, 0.0, 0.0, 1.0]
     assert [s.reward for s in scored] == [1.5, 0.0, 0.5, 1.5]  # the other function still scored the poisoned one
     assert list(scored[2].failures) == [name] and scored[2].failures[name].startswith("crashed:")
@@ -116,29 +123,9 @@ def test_a_reward_that_hangs_holding_the_interpreter_on_one_sample_scores_it_zer
     backtracks for hours), so even the process's heartbeat cannot answer. That process is found frozen and replaced,
     the replacement freezes on the same request, the request is scored one function, group and sample at a time,
     and the sample that freezes its process scores 0 as that function's failure, named with its row."""
-    from meshrl.config import PlacementConfig
-    from meshrl.controller.process import prepare_process
-    from meshrl.controller.provision import Provisioner
-    from meshrl.controller.replicas import RestartBudget
-    from meshrl.controller.reward_pool import RewardPool
-    from meshrl.rewards import Rubric, ScoringConfig
-
-    prepare_process()
     name = "user_faults:holds_the_interpreter_on_poison"
-    rubric = Rubric({name: 1.0, "user_rewards:contains_answer": 0.5}, ScoringConfig())
-    budget = RestartBudget(3)
-    pool = RewardPool(Provisioner(PlacementConfig()), rubric, budget=budget, timeout_s=120, heartbeat_s=3)
     t0 = time.perf_counter()
-    try:
-        pool.start()
-        rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "poisoned row", "answer": "7"}]
-        scored = pool.score(["2", "3", "7 POISON", "7"], rows, group_size=2).result()
-    finally:
-        for f in pool.stop():
-            try:
-                f.get(timeout=30)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+    scored, budget = _score_a_poisoned_sample(name, heartbeat_s=3)
     took = time.perf_counter() - t0
     assert [s.parts[name] for s in scored] == [1.0, 0.0, 0.0, 1.0]
     assert [s.reward for s in scored] == [1.5, 0.0, 0.5, 1.5]
