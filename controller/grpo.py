@@ -221,8 +221,9 @@ def main(
                             turn_max_tokens=cfg.generator.max_tokens)  # fmt: skip
     else:  # the task's rows as one-turn episodes, scored by the rubric
         source = SingleTurnRollout(setup, cfg.generator.max_tokens)
-        if cfg.warmup.steps:  # a warm-up batch the reference answers cannot fill is refused before any process starts
-            task_demonstrations(setup, cfg.warmup, cfg.generator.max_model_len)
+    demos = None  # the warm-up's sequences, made (and a batch they cannot fill refused) before any process starts
+    if cfg.warmup.steps and not source.multi_turn:
+        demos = task_demonstrations(setup, cfg.warmup, cfg.generator.max_model_len)
     print(
         f"[meshrl] run dir {run.path}\n[meshrl] task {task.name}: {'; '.join(setup.notes)}\n"
         f"[meshrl] rewards: {setup.describe_rewards()}; correct = {setup.verifier} >= 1\n"
@@ -281,7 +282,7 @@ def main(
         else:
             start = 0
             if cfg.warmup.steps:
-                warm_up(ctl, cfg, setup, source, run)
+                warm_up(ctl, cfg, setup, source, run, demos)
             ref_dir = None
             if cfg.grpo.needs_reference:  # KL is measured against the policy as RL starts (after the warm-up)
                 ref_dir = ctl.export_hf(str(run.path / "reference_model")) if cfg.warmup.steps else model_dir
@@ -337,10 +338,11 @@ def describe_processes(ctl: Controller) -> None:
 
 
 def warm_up(
-    ctl: Controller, cfg: GRPORunConfig, setup: TaskSetup, source: SingleTurnRollout | EnvRollout, run: RunDir
-) -> None:
-    """The supervised warm-up (--warmup.steps) on the task's reference answers (an environment's demonstrated
-    episodes), through the same endpoints as RL; the generators then serve its weights."""
+    ctl: Controller, cfg: GRPORunConfig, setup: TaskSetup, source: SingleTurnRollout | EnvRollout, run: RunDir,
+    demos: list[Datum] | None = None,
+) -> None:  # fmt: skip
+    """The supervised warm-up (--warmup.steps) on the task's reference answers (`demos` when made already; an
+    environment's demonstrated episodes), through the same endpoints as RL; the generators then serve its weights."""
     print(
         f"[meshrl] supervised warm-up: {cfg.warmup.steps} cross-entropy steps on the task's "
         "reference answers (same forward_backward/optim_step endpoints), then RL"
@@ -354,7 +356,7 @@ def warm_up(
         seed=cfg.run.seed,
         max_len=cfg.generator.max_model_len,
         log=run.log,
-        demos=source.demonstrations(setup, cfg.generator.max_model_len) if source.multi_turn else None,
+        demos=source.demonstrations(setup, cfg.generator.max_model_len) if source.multi_turn else demos,
     )
     ctl.sync_weights()
 
