@@ -40,9 +40,19 @@ declare -A LAYOUT=(
   [gpus2]="--placement.gpus 2"
   [gpus2-fast]="--placement.gpus 2 $FAST"
   [gpus2-mb128]="--placement.gpus 2 --trainer.micro-batch-size 128"
+  # four GPUs (issue 33): candidates for the layout --placement.gpus 4 chooses
+  # one trainer rank alone on GPU 0, a generator on each of the other three
+  [split4]="--trainer.devices 0 --trainer.micro-batch-size 128 --generator.num-replicas 3 --generator.devices 1 2 3 --grpo.max-staleness 1"
+  # two FSDP trainer ranks on GPUs 0-1, generators on 2-3
+  [split4-2tr]="--trainer.num-procs 2 --trainer.devices 0 1 --trainer.micro-batch-size 128 --generator.num-replicas 2 --generator.devices 2 3 --grpo.max-staleness 1"
+  # colocated: four trainer ranks and a generator on every GPU, the synchronous loop (what verl users know)
+  [coloc4]="--trainer.num-procs 4 --trainer.devices 0 1 2 3 --generator.num-replicas 4 --generator.devices 0 1 2 3"
+  [coloc2]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1"
+  [gpus4]="--placement.gpus 4"
 )
-ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast)
-GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *) echo 2 ;; esac; }
+ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
+       split4 split4-2tr coloc4)
+GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then  # the check (~6 min on 2x H100, one device call): 1 GPU, the 2-GPU default, tests
@@ -171,6 +181,12 @@ for arg in rows:
         "generate_s": m("time_generate_s"), "train_s": m("time_train_s"), "sync_s": m("time_weight_sync_s"),
         "overlap": overlap(intervals, [r["time_step_s"] for r in rl[-5:]]),
         "logprob_diff_mean": m("logprob_diff_mean"), "logprob_diff_max": max(r["logprob_diff_max"] for r in rl),
+        "step_times_s": [round(r["time_step_s"], 3) for r in rl],
+        "train_times_s": [round(r["time_train_s"], 3) for r in rl],
+        # the trainer's allocator retries (cumulative; a rise is a step that freed the cache and retried a cudaMalloc)
+        "alloc_retries": [r.get("memory/train/trainer0_alloc_retries") for r in rl],
+        "micro_batches": [r.get("micro_batches") for r in rl],
+        "peak_gib": max((r.get("memory/train/trainer0_peak_gib") or 0.0) for r in rl) if rl else None,
         "transport": next((l.split("weight sync: ")[1].split()[0] for l in open(f"{out}/gpu_check_{run}.log")
                            if "weight sync: " in l), "?"),
     })
@@ -186,6 +202,10 @@ for r in results:
         continue
     print(f"{r['run']:20} {r['step_s']:7.2f} {r['step_ratio']:6.2f} {r['generate_s']:9.2f} {r['train_s']:6.2f} "
           f"{r['sync_s']:7.3f} {r['overlap']:8.0%} {r['logprob_diff_mean']:9.4f} {r['transport']:>10}")
+for r in results:
+    if not r.get("failed"):
+        print(f"{r['run']:20} steps {r['step_times_s']} train {r['train_times_s']} "
+              f"calls {r['micro_batches']} allocator retries {r['alloc_retries']} peak {r['peak_gib']} GiB")
 print("(generate: the controller's wait for the step's round; asynchronous runs wait only for what training did "
       "not hide. ratio: step time over the first run's.)")
 EOF

@@ -491,6 +491,10 @@ class Policy:
             "allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved(self.device) / 2**30,
             "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+            # Times the allocator freed its cache and retried a failed cudaMalloc, since the process started: each is
+            # a synchronising cudaFree of every cached block, the usual cause of one step training far slower than the
+            # next near the memory limit (the count is cumulative: a step that added to it retried).
+            "alloc_retries": torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0),
         }
         torch.cuda.reset_peak_memory_stats(self.device)
         return out
