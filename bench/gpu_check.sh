@@ -48,15 +48,19 @@ declare -A LAYOUT=(
   # colocated: four trainer ranks and a generator on every GPU, the synchronous loop (what verl users know)
   [coloc4]="--trainer.num-procs 4 --trainer.devices 0 1 2 3 --generator.num-replicas 4 --generator.devices 0 1 2 3"
   [coloc2]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1"
+  [coloc4-mb128]="--trainer.num-procs 4 --trainer.devices 0 1 2 3 --generator.num-replicas 4 --generator.devices 0 1 2 3 --trainer.micro-batch-size 128"
+  # what --placement.gpus 4 chooses (split4-2tr, micro-batches of 128 per rank), on the job and on 4x the job
   [gpus4]="--placement.gpus 4"
+  [gpus4-fast]="--placement.gpus 4 $FAST"
+  [gpus4-x4work]="--placement.gpus 4 --grpo.prompts-per-step 128"
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
-       split4 split4-2tr coloc4)
+       split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work)
 GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")
-if [ ${#names[@]} -eq 0 ]; then  # the check (~6 min on 2x H100, one device call): 1 GPU, the 2-GPU default, tests
-  for n in 1gpu gpus2 split-sync; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
+if [ ${#names[@]} -eq 0 ]; then  # the check (one device call): 1 GPU, the 2- and 4-GPU defaults, tests
+  for n in 1gpu gpus2 gpus4; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
   names+=(tests)
 elif [ " ${names[*]} " = " all " ]; then  # every layout this machine's GPUs allow (two device calls' worth)
   names=()
@@ -175,12 +179,14 @@ for arg in rows:
         results.append({"run": run, "layout": layout, "tree": tree, "failed": True})
         continue
     rl = [r for r in records if r.get("phase") == "rl"][2:]
+    prompts = json.load(open(f"/tmp/gc/runs/{run}/config.json"))["grpo"]["prompts_per_step"]
     m = lambda k: statistics.median(r[k] for r in rl) if rl else float("nan")  # noqa: E731
     results.append({
         "run": run, "layout": layout, "tree": tree, "steps": len(rl), "step_s": m("time_step_s"),
         "generate_s": m("time_generate_s"), "train_s": m("time_train_s"), "sync_s": m("time_weight_sync_s"),
         "overlap": overlap(intervals, [r["time_step_s"] for r in rl[-5:]]),
         "logprob_diff_mean": m("logprob_diff_mean"), "logprob_diff_max": max(r["logprob_diff_max"] for r in rl),
+        "prompts_per_step": prompts, "tokens_per_s": m("tokens_per_s"),
         "step_times_s": [round(r["time_step_s"], 3) for r in rl],
         "train_times_s": [round(r["time_train_s"], 3) for r in rl],
         # the trainer's allocator retries (cumulative; a rise is a step that freed the cache and retried a cudaMalloc)
@@ -190,22 +196,27 @@ for arg in rows:
         "transport": next((l.split("weight sync: ")[1].split()[0] for l in open(f"{out}/gpu_check_{run}.log")
                            if "weight sync: " in l), "?"),
     })
-base = next((r["step_s"] for r in results if not r.get("failed")), float("nan"))
+first = next((r for r in results if not r.get("failed")), {})
+base, base_prompts = first.get("step_s", float("nan")), first.get("prompts_per_step", 1)
 for r in results:
-    r["step_ratio"] = r.get("step_s", float("nan")) / base
+    # a run of k times the first run's prompts per step is compared per unit of work (weak scaling)
+    r["work"] = r.get("prompts_per_step", base_prompts) / base_prompts
+    r["step_ratio"] = r.get("step_s", float("nan")) / base / r["work"]
 json.dump(results, open(f"{out}/gpu_check.json", "w"), indent=1)
-print(f"\n{'run':20} {'step s':>7} {'ratio':>6} {'generate':>9} {'train':>6} {'sync s':>7} {'overlap':>8} "
-      f"{'diff mean':>9} {'transport':>10}")
+print(f"\n{'run':20} {'work':>4} {'step s':>7} {'ratio':>6} {'generate':>9} {'train':>6} {'sync s':>7} {'overlap':>8} "
+      f"{'diff mean':>9} {'tokens/s':>9} {'transport':>10}")
 for r in results:
     if r.get("failed"):
         print(f"{r['run']:20} FAILED (see gpu_check_{r['run']}.log)")
         continue
-    print(f"{r['run']:20} {r['step_s']:7.2f} {r['step_ratio']:6.2f} {r['generate_s']:9.2f} {r['train_s']:6.2f} "
-          f"{r['sync_s']:7.3f} {r['overlap']:8.0%} {r['logprob_diff_mean']:9.4f} {r['transport']:>10}")
+    print(f"{r['run']:20} {r['work']:4.0f} {r['step_s']:7.2f} {r['step_ratio']:6.2f} {r['generate_s']:9.2f} "
+          f"{r['train_s']:6.2f} {r['sync_s']:7.3f} {r['overlap']:8.0%} {r['logprob_diff_mean']:9.4f} "
+          f"{r['tokens_per_s']:9.0f} {r['transport']:>10}")
 for r in results:
     if not r.get("failed"):
         print(f"{r['run']:20} steps {r['step_times_s']} train {r['train_times_s']} "
               f"calls {r['micro_batches']} allocator retries {r['alloc_retries']} peak {r['peak_gib']} GiB")
 print("(generate: the controller's wait for the step's round; asynchronous runs wait only for what training did "
-      "not hide. ratio: step time over the first run's.)")
+      "not hide. ratio: step time over the first run's, per unit of work: work = prompts per step over the first "
+      "run's.)")
 EOF

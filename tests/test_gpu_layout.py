@@ -1,4 +1,4 @@
-"""`--placement.gpus N`: the layout measured fastest for N GPUs of one machine (issue 32), filled in where the user
+"""`--placement.gpus N`: the layout measured fastest for N GPUs of one machine (issues 32, 33), filled in where the user
 placed nothing, refused where it cannot apply. Config only: no process, no GPU."""
 
 import dataclasses
@@ -8,6 +8,7 @@ import pytest
 from meshrl.config import GRPORunConfig
 from meshrl.controller.cli import parse_run_config
 from meshrl.errors import ConfigError
+from meshrl.placement import gpu_layout
 from meshrl.preflight import check_gpu_count
 
 GPU = [
@@ -33,7 +34,7 @@ def test_two_gpus_split_trainer_and_generator_and_run_ahead():
     # Left at its default, the micro-batch cap grows: the trainer has its GPU to itself.
     plain = parse_run_config(GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "2"])
     assert (plain.trainer.num_procs, plain.trainer.micro_batch_size) == (1, 128)  # the defaults are CPU's
-    assert "trainer on GPU [0], generators on GPU [1], max-staleness 1, micro-batches of up to 128" in (
+    assert "1 trainer rank(s) on GPU [0], 1 generator(s) on GPU [1], max-staleness 1, micro-batches of up to 128" in (
         plain.gpu_layout_note()
     )
     # a copy (as the programs make with dataclasses.replace) keeps the same layout
@@ -56,14 +57,55 @@ def test_what_the_user_placed_wins():
     assert _cfg().placement.gpus is None and _cfg().gpu_layout_note() is None  # unset: nothing changes
 
 
+def test_four_and_eight_gpus_split_half_trainer_ranks_half_generators():
+    cfg = _cfg("--placement.gpus", "4", "--trainer.micro-batch-size", "32")
+    assert (cfg.trainer.num_procs, cfg.trainer.devices) == (1, [0])  # the preset's one rank, as given
+    plain = parse_run_config(GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "4"])
+    assert (plain.trainer.num_procs, plain.trainer.devices) == (2, [0, 1])
+    assert (plain.generator.num_replicas, plain.generator.devices, plain.grpo.max_staleness) == (2, [2, 3], 1)
+    assert plain.trainer.micro_batch_size == 256  # 128 per rank: the cap counts sequences over all ranks
+    assert "measured 0.29x" in plain.gpu_layout_note()
+    eight = parse_run_config(GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "8"])
+    assert (eight.trainer.devices, eight.generator.devices) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert (eight.generator.num_replicas, eight.trainer.micro_batch_size, eight.grpo.max_staleness) == (4, 512, 1)
+    assert "not measured yet" in eight.gpu_layout_note()
+
+
+@pytest.mark.parametrize(
+    "gpus, trainer, generators",
+    [(1, [0], [0]), (2, [0], [1]), (3, [0], [1, 2]), (4, [0, 1], [2, 3]), (6, [0, 1], [2, 3, 4, 5]),
+     (8, [0, 1, 2, 3], [4, 5, 6, 7]), (16, [0, 1, 2, 3, 4, 5, 6, 7], list(range(8, 16)))],
+)  # fmt: skip
+def test_every_gpu_count_gets_a_layout_using_every_gpu_once(gpus, trainer, generators):
+    layout = gpu_layout(gpus)
+    assert (layout.trainer_gpus, layout.generator_gpus, layout.asynchronous) == (trainer, generators, gpus > 1)
+    assert sorted(set(trainer) | set(generators)) == list(range(gpus))  # no GPU idle
+    assert 256 % len(trainer) == 0  # a power of two ranks: the usual batch sizes split evenly over them
+
+
+def test_trainer_ranks_on_every_gpu_are_colocated_with_a_generator_each():
+    cfg = parse_run_config(
+        GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "4", "--trainer.num-procs", "4"]
+    )
+    assert (cfg.trainer.devices, cfg.generator.devices, cfg.generator.num_replicas) == ([0, 1, 2, 3], [0, 1, 2, 3], 4)
+    assert (cfg.grpo.max_staleness, cfg.trainer.micro_batch_size) == (0, 128)  # synchronous, 32 per rank
+    assert "colocated" in cfg.gpu_layout_note()
+    # the user's trainer rank count: generators take the other GPUs
+    cfg = parse_run_config(
+        GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "4", "--trainer.num-procs", "1"]
+    )
+    assert (cfg.trainer.devices, cfg.generator.devices, cfg.grpo.max_staleness) == ([0], [1, 2, 3], 1)
+    assert cfg.generator.num_replicas == 3 and "not a measured layout" in cfg.gpu_layout_note()
+
+
 def test_layouts_that_cannot_apply_are_refused_naming_the_flag():
     base = GRPORunConfig()
-    with pytest.raises(ConfigError, match=r"--placement.gpus 4: layouts are measured for \[1, 2\].*--trainer.devices"):
-        dataclasses.replace(base.placement, gpus=4)
+    with pytest.raises(ConfigError, match=r"--placement.gpus 0: give 1 or more GPUs"):
+        dataclasses.replace(base.placement, gpus=0)
     with pytest.raises(ConfigError, match="--placement.gpus 2 lays out GPUs, but --trainer.device is 'cpu'"):
         dataclasses.replace(base, placement=dataclasses.replace(base.placement, gpus=2))
     trainer = dataclasses.replace(base.trainer, device="cuda", num_procs=4)
-    with pytest.raises(ConfigError, match="lays out one trainer rank.*--trainer.devices"):
+    with pytest.raises(ConfigError, match="--placement.gpus 2 with --trainer.num-procs 4: one trainer rank per GPU"):
         dataclasses.replace(base, trainer=trainer, placement=dataclasses.replace(base.placement, gpus=2))
     with pytest.raises(ConfigError, match="--placement.gpus lays out the GPUs of this machine.*--placement process"):
         dataclasses.replace(base.placement, gpus=2, kind="process")

@@ -110,10 +110,6 @@ class WarmupConfig:
             )
 
 
-GPU_ALONE_MICRO_BATCH = 128
-"""--trainer.micro-batch-size that --placement.gpus gives a trainer with a GPU of its own (unless set otherwise)."""
-
-
 @dataclass
 class GRPORunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -204,45 +200,60 @@ class GRPORunConfig:
                 )
 
     def _lay_out_gpus(self, gpus: int) -> None:
-        """--placement.gpus N: the measured layout (meshrl.placement.MEASURED_GPU_LAYOUTS), filling in only what was
-        not placed explicitly (devices unset, counts and the micro-batch cap at their defaults). Runs again on each
-        copy (dataclasses.replace) and gives the same result."""
+        """--placement.gpus N: the measured layout (meshrl.placement.gpu_layout), filling in only what was not
+        placed explicitly (devices unset, counts and the micro-batch cap at their defaults). Runs again on each copy
+        (dataclasses.replace) and gives the same result."""
+        from meshrl.placement import gpu_layout
+
         if self.trainer.device != "cuda":
             raise ConfigError(
                 f"--placement.gpus {gpus} lays out GPUs, but --trainer.device is {self.trainer.device!r}; add "
                 "--trainer.device cuda (and --generator.dtype / --model.dtype as wanted)"
             )
-        if self.trainer.devices is None and self.trainer.num_procs == TrainerConfig.num_procs:
-            self.trainer = replace(self.trainer, num_procs=1)  # the CPU default; the layout has one trainer rank
-        if self.trainer.num_procs != 1 and self.trainer.devices is None:
-            raise ConfigError(
-                f"--placement.gpus {gpus} lays out one trainer rank, but --trainer.num-procs is "
-                f"{self.trainer.num_procs}: place the ranks with --trainer.devices (e.g. 0 1) and --generator.devices"
-            )
-        generator_gpu = 1 if gpus >= 2 else 0
-        if self.trainer.devices is None:
-            self.trainer = replace(self.trainer, devices=[0])
+        placed = self.trainer.devices is not None
+        if not placed:
+            chosen = self.trainer.num_procs == TrainerConfig.num_procs  # the CPU default: the layout chooses
+            layout = gpu_layout(gpus, None if chosen else self.trainer.num_procs)
+            trainer_gpus = layout.trainer_gpus
+            self.trainer = replace(self.trainer, num_procs=len(trainer_gpus), devices=trainer_gpus)
+        trainer_gpus = set(self.trainer.devices)
         if self.generator.devices is None:
-            self.generator = replace(self.generator, devices=[generator_gpu])
-        if gpus >= 2 and self.grpo.max_staleness == 0 and self.generator.devices != self.trainer.devices:
-            self.grpo = replace(self.grpo, max_staleness=1)  # generation on its own GPU overlaps training
-        alone = not set(self.generator.devices) & set(self.trainer.devices)
-        if alone and self.trainer.micro_batch_size == TrainerConfig.micro_batch_size:
-            # The trainer has its GPU to itself: calls of up to 128 sequences, which the token budget (the device's
-            # free memory) still bounds. Measured on 2x H100: 8 calls of 32 -> 3 calls, train 1.88 -> 1.40 s (median).
-            self.trainer = replace(self.trainer, micro_batch_size=GPU_ALONE_MICRO_BATCH)
+            if placed:  # the user's trainer GPUs: generators on the others, else beside the trainer
+                generator_gpus = [g for g in range(gpus) if g not in trainer_gpus] or sorted(trainer_gpus)
+            else:
+                generator_gpus = layout.generator_gpus
+            replicas = self.generator.num_replicas
+            if replicas == GeneratorConfig.num_replicas:
+                replicas = len(generator_gpus)  # one replica per generator GPU
+            self.generator = replace(self.generator, devices=generator_gpus, num_replicas=replicas)
+        alone = not set(self.generator.devices) & trainer_gpus
+        if alone and self.grpo.max_staleness == 0:
+            self.grpo = replace(self.grpo, max_staleness=1)  # generation on GPUs of its own overlaps training
+        if self.trainer.micro_batch_size == TrainerConfig.micro_batch_size:
+            from meshrl.placement import ALONE_MICRO_BATCH_PER_RANK, SHARED_MICRO_BATCH_PER_RANK
+
+            per_rank = ALONE_MICRO_BATCH_PER_RANK if alone else SHARED_MICRO_BATCH_PER_RANK
+            # The cap counts sequences over all ranks (TrainerConfig.micro_batch_size): it grows with them, so that
+            # each rank's calls stay as large as one rank's (4 ranks at 32: 8 calls of 8 sequences per rank).
+            self.trainer = replace(self.trainer, micro_batch_size=per_rank * self.trainer.num_procs)
 
     def gpu_layout_note(self) -> str | None:
         """What --placement.gpus chose, for the run's log (None when it is unset)."""
-        from meshrl.placement import MEASURED_GPU_LAYOUTS
+        from meshrl.placement import gpu_layout
 
         gpus = self.placement.gpus
         if gpus is None:
             return None
+        ranks, chosen = self.trainer.num_procs, gpu_layout(gpus)
+        measured = (self.trainer.devices, self.generator.devices) == (chosen.trainer_gpus, chosen.generator_gpus)
+        if not measured and ranks == gpus and self.generator.devices == self.trainer.devices:
+            measured, chosen = True, gpu_layout(gpus, ranks)  # colocated, as --trainer.num-procs asked
+        why = chosen.why if measured else "placed partly by your flags: not a measured layout"
         return (
-            f"--placement.gpus {gpus}: trainer on GPU {self.trainer.devices}, generators on GPU "
-            f"{self.generator.devices}, max-staleness {self.grpo.max_staleness}, micro-batches of up to "
-            f"{self.trainer.micro_batch_size} ({MEASURED_GPU_LAYOUTS[gpus]})"
+            f"--placement.gpus {gpus}: {ranks} trainer rank(s) on GPU {self.trainer.devices}, "
+            f"{self.generator.num_replicas} generator(s) on GPU {self.generator.devices}, max-staleness "
+            f"{self.grpo.max_staleness}, micro-batches of up to {self.trainer.micro_batch_size} sequences over the "
+            f"ranks ({why})"
         )
 
 

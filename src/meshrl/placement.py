@@ -15,11 +15,57 @@ from meshrl.errors import ConfigError
 
 MEASURED_GPU_LAYOUTS = {
     1: "trainer and generators on GPU 0, the synchronous loop",
-    2: "trainer on GPU 0 with micro-batches of up to 128, generators on GPU 1, the asynchronous loop (max-staleness "
-    "1): measured 0.42x the one-GPU step on 2x H100 (median; 0.60x with micro-batches of 32; bench/NOTES.md), "
-    "where a second generator on the trainer's GPU was slower",
+    2: "measured 0.42x the one-GPU step on 2x H100 (median; 0.60x with micro-batches of 32), where a second "
+    "generator on the trainer's GPU was slower (bench/NOTES.md)",
+    4: "measured 0.29x the one-GPU step on 4x H100 (same job), where one trainer rank and three generators took "
+    "0.42x (the trainer is the slower side) and four colocated ranks with a generator each 1.15x (bench/NOTES.md)",
 }
-"""`--placement.gpus` N -> the layout it chooses, and why (bench/gpu_check.sh measures each)."""
+"""GPU counts whose `gpu_layout` was measured fastest (bench/gpu_check.sh), and what was measured."""
+
+ALONE_MICRO_BATCH_PER_RANK = 128
+"""Sequences per `forward_backward` call and trainer rank when the trainer has its GPUs to itself (the token budget
+still bounds each call). Measured on 2x H100: 8 calls of 32 -> 3 calls, train 1.88 -> 1.40 s (median)."""
+SHARED_MICRO_BATCH_PER_RANK = 32
+"""The same where generators share the trainer's GPUs (TrainerConfig's default, for one rank)."""
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Where `--placement.gpus` N puts the processes: GPU indices of the trainer ranks and of the generator
+    replicas (one replica per index), whether the loop runs ahead (asynchronous), and the micro-batch cap."""
+
+    trainer_gpus: list[int]
+    generator_gpus: list[int]
+    asynchronous: bool
+    micro_batch_size: int
+    why: str
+
+
+def gpu_layout(gpus: int, trainer_ranks: int | None = None) -> GpuLayout:
+    """The layout for `gpus` GPUs of one machine. `trainer_ranks`: the user's --trainer.num-procs (None: chosen).
+
+    1 GPU: everything shares it, synchronously. N >= 2: the trainer gets the first half of the GPUs (a power of two
+    ranks, so that batches of powers of two split evenly over them) and generators the rest, one per GPU, and the
+    loop runs one version ahead: generation on its own GPUs overlaps training, weights cross by CUDA IPC in
+    milliseconds. Measured on 2 and 4 H100s (MEASURED_GPU_LAYOUTS); other counts follow the same rule, unmeasured.
+    Trainer ranks given for every GPU: colocated (a generator on each trainer GPU, the synchronous loop)."""
+    if gpus < 1:
+        raise ConfigError(f"--placement.gpus {gpus}: give 1 or more GPUs")
+    if trainer_ranks is not None and trainer_ranks > gpus:
+        raise ConfigError(
+            f"--placement.gpus {gpus} with --trainer.num-procs {trainer_ranks}: one trainer rank per GPU at most; "
+            f"use --trainer.num-procs {gpus} or fewer (or place the ranks with --trainer.devices)"
+        )
+    if trainer_ranks is None:
+        trainer_ranks = 1 << max(gpus // 2, 1).bit_length() - 1  # the largest power of two <= gpus // 2 (>= 1)
+    trainer = list(range(trainer_ranks))
+    if trainer_ranks == gpus:  # colocated: a generator beside every trainer rank
+        measured = MEASURED_GPU_LAYOUTS[1] if gpus == 1 else "colocated, as asked by --trainer.num-procs"
+        return GpuLayout(trainer, list(range(gpus)), False, SHARED_MICRO_BATCH_PER_RANK * trainer_ranks, measured)
+    measured = MEASURED_GPU_LAYOUTS.get(gpus, "the rule measured on 2 and 4 GPUs; this count is not measured yet")
+    return GpuLayout(
+        trainer, list(range(trainer_ranks, gpus)), True, ALONE_MICRO_BATCH_PER_RANK * trainer_ranks, measured
+    )
 
 
 @dataclass
@@ -88,16 +134,16 @@ class PlacementConfig:
     """k8s: the name of the rollout mesh (generators and reward processes)."""
     gpus: int | None = None
     """GPUs of this machine the run lays its processes out over (the first N it sees), in the layout measured
-    fastest for that count (bench/gpu_check.sh, bench/NOTES.md), for what is not set otherwise: devices unset,
-    --trainer.num-procs, --trainer.micro-batch-size and --grpo.max-staleness at their defaults (one trainer rank).
+    fastest (bench/gpu_check.sh, bench/NOTES.md), for what is not set otherwise: devices unset, the counts,
+    --trainer.micro-batch-size and --grpo.max-staleness at their defaults.
     1: trainer and generators share GPU 0 (the synchronous loop; generators sleep while the trainer trains).
-    2: trainer on GPU 0, the generators on GPU 1, weights across by CUDA IPC, the asynchronous loop
-    (--grpo.max-staleness 1: samples are one policy version old), micro-batches of up to 128 sequences (the trainer
-    has the GPU to itself; the token budget still bounds each call) — 0.42x the one-GPU step on 2x H100 (median of
-    steps); a second generator on the trainer's GPU measured slower there, since the trainer is the slower side.
-    For the synchronous loop on two GPUs, place them with --trainer.devices 0 --generator.devices 1 instead. More
-    GPUs: not measured yet; place the processes with those flags. Unset: every process on the default GPU unless
-    those flags say otherwise. The run prints the layout and why."""
+    N >= 2: trainer ranks (FSDP) on the first half of the GPUs (a power of two), a generator replica on each of the
+    others, weights across by CUDA IPC, the asynchronous loop (--grpo.max-staleness 1: samples are one policy
+    version old), micro-batches of up to 128 sequences per trainer rank (the trainer has its GPUs to itself; the
+    token budget still bounds each call). Measured: 2 GPUs 0.42x and 4 GPUs 0.29x the one-GPU step on H100s (same
+    job); other counts follow the same rule, not measured yet. --trainer.num-procs N (every GPU): colocated, a
+    generator beside each rank, synchronous. Unset: every process on the default GPU unless --trainer.devices /
+    --generator.devices say otherwise. The run prints the layout and why."""
     k8s_kubeconfig: str | None = None
     """k8s: a kubeconfig file, for a controller outside the cluster (Monarch port-forwards to a pod). Unset: the
     controller runs in the cluster (a pod or Job) and uses the in-cluster config."""
@@ -136,11 +182,9 @@ class PlacementConfig:
             self._check_k8s()
 
     def _check_gpus(self) -> None:
-        if self.gpus not in MEASURED_GPU_LAYOUTS:
+        if self.gpus < 1:
             raise ConfigError(
-                f"--placement.gpus {self.gpus}: layouts are measured for {sorted(MEASURED_GPU_LAYOUTS)} GPUs; for "
-                "more, place the processes with --trainer.devices / --generator.devices (and --trainer.num-procs, "
-                "--generator.num-replicas)"
+                f"--placement.gpus {self.gpus}: give 1 or more GPUs (unset: place with --trainer.devices)"
             )
         if self.kind != "local":
             raise ConfigError(
