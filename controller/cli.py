@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import TypeVar
 
 import tyro
@@ -41,15 +42,31 @@ def parse_run_config(
         sys.exit(f"unknown preset {preset!r}; presets: {sorted(presets)}")
     listing = "\n".join(f"  {name}: {_first_line(fn)}" for name, fn in presets.items())
     try:
-        return tyro.cli(
+        cfg = tyro.cli(
             cls,
             default=presets[preset](),
             args=args,
             description=f"{description or ''}\nPresets (--preset NAME; flags after it override it):\n{listing}\n\n"
             f"Starting from preset {preset!r}.",
         )
+        return _gpu_defaults(cfg, args, presets[preset], cls)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def _gpu_defaults(cfg: T, args: list[str], preset: Callable[[], T], cls: type[T]) -> T:
+    """--run.gpu-defaults (meshrl.gpu_defaults): on a machine with GPUs, what the flags and the preset left open
+    resolved for them, each setting printed. Here and not in the configs' __post_init__: it needs the flags given,
+    and a config built in Python stays as written."""
+    from meshrl.gpu_defaults import detect_machine, given_fields, resolve_gpu_defaults, visible_gpus
+
+    if not visible_gpus():  # a CPU machine: the config as tyro made it, and nothing more done
+        return cfg
+    given = given_fields(args, preset_cfg=preset(), default_cfg=cls())
+    cfg, lines = resolve_gpu_defaults(cfg, given, detect_machine(cfg, given))
+    for line in lines:
+        print(f"[meshrl] gpu defaults: {line}", flush=True)
+    return cfg
 
 
 # `--NAME VALUE` is `--NAME.FIELD VALUE` for these sections (their other fields keep their dotted flags).

@@ -108,7 +108,8 @@ class TrainerConfig:
     logprob_chunk_size: int = 0
     """Speed lever: > 0 computes the target logprobs from the final hidden states this many tokens at a time
     (chunked linear + log-softmax), so the full [B, T, V] float32 logits never exist; 0: full logits. Same
-    values to float32 rounding. 2048-8192 suits a 151k vocabulary."""
+    values to float32 rounding. 2048-8192 suits a 151k vocabulary; 4096 trained faster on one H100 (bench/NOTES.md,
+    'after+chunk') and is what --run.gpu-defaults sets on a machine with GPUs."""
     logprob_keep_logits: bool = False
     """Speed lever for the chunked head: keep every chunk's logits in the compute dtype for backward (the
     [B, T, V] tensor once, 5 GB in bf16 at 8 x 2048 x 151k) instead of recomputing the output projection
