@@ -45,6 +45,7 @@ MODULE_LANES = {
     "test_envs_e2e": "e2e",
     "test_async_overlap": "e2e",
     "test_deferred_grad_sync": "actors",
+    "test_flat_gather": "actors",
     "test_grpo_async": "e2e",
     "test_grpo_e2e": "e2e",
     "test_grpo_resume": "e2e",
@@ -67,6 +68,8 @@ TEST_LANES = {
     "test_placement_jobs::test_kubernetes_without_its_client_says_what_to_install": "unit",
     "test_placement_jobs::test_slurm_without_sbatch_is_a_clear_config_error": "unit",
     "test_resume::test_resume_command_repeats_the_run_flags_and_rng_state_round_trips_through_json": "unit",
+    "test_flat_gather::test_shard_rows_are_torch_chunks": "unit",
+    "test_flat_gather::test_pack_and_unpack_put_uneven_chunks_back_in_place": "unit",
     # a python child process or a process mesh of their own
     "test_shared_buffer::test_another_process_reads_the_published_version_cpu_backing": "actors",
     "test_shared_buffer::test_another_process_reads_through_cuda_ipc_gpu": "actors",

@@ -36,6 +36,7 @@ from meshrl.optim import FusedAdamW, host_copy_when_ready
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 
 if TYPE_CHECKING:
+    from meshrl.weight_sync.flat_gather import FlatGather
     from meshrl.weight_sync.shared_buffer import SharedBufferHandle
 
 
@@ -590,17 +591,35 @@ class Policy:
         hf = self.backend.hf_state_dict()
         return {k: (v.to(dtype) if dtype is not None else v).detach() for k, v in hf.items()}
 
-    def weight_shards(self) -> dict[str, torch.Tensor] | None:
+    def weight_shards(self, *, live: bool = False) -> dict[str, torch.Tensor] | None:
         """This rank's part of the weights under HF names (DTensors where sharded), gathering nothing; None when
-        whole tensors are needed to convert them (LoRA merge; an adapter that fuses): use `hf_state_dict`."""
-        return self.backend.hf_shards()
+        whole tensors are needed to convert them (LoRA merge; an adapter that fuses): use `hf_state_dict`.
+        `live`: the parameters themselves, not detached copies (cheaper): read them only, before the next step."""
+        return self.backend.hf_shards(live=live)
 
     def publish_weights_ipc(self, version: int, dtype: torch.dtype) -> SharedBufferHandle | None:
         """Same-GPU weight sync (`meshrl.weight_sync.shared_buffer`). Collective (the full weights are gathered);
         rank 0 copies them, cast to `dtype`, into its shared flat buffer (allocated on the first call) and
-        publishes `version`. Returns the handle on rank 0 (send it to the generator once), None elsewhere."""
+        publishes `version`. Returns the handle on rank 0 (send it to the generator once), None elsewhere.
+
+        Sharded over several ranks, every rank casts its shards into one flat buffer and one collective gathers
+        them all (`meshrl.weight_sync.flat_gather`), instead of ~300 per-tensor all-gathers; one rank copies its
+        live parameters as they are."""
         from meshrl.weight_sync.shared_buffer import SharedBufferSender
 
+        flat = self._ipc_flat_gather(dtype) if self.world_size > 1 else None
+        if flat is not None:
+            gather, shards = flat
+            gather.gather(shards)  # collective: every rank's shards to rank 0
+            if self.rank != 0:
+                return None
+            sender = getattr(self, "_ipc_sender", None)
+            if sender is None:
+                sender = self._ipc_sender = SharedBufferSender(gather.plan.layout, self.device)
+            elif sender.layout != gather.plan.layout:
+                raise ValueError("the weights no longer match the shared buffer's layout (names, shapes or dtypes)")
+            sender.publish_with(lambda slot: gather.unpack_into(slot, shards), version)
+            return sender.handle()
         hf = self.backend.hf_state_dict(snapshot=False)  # copied into the buffer right away
         if self.rank != 0:
             return None
@@ -609,6 +628,21 @@ class Policy:
             sender = self._ipc_sender = SharedBufferSender.for_state_dict(hf, self.device, dtype=dtype)
         sender.publish(hf, version)
         return sender.handle()
+
+    def _ipc_flat_gather(self, dtype: torch.dtype) -> tuple[FlatGather, dict[str, torch.Tensor]] | None:
+        """The flat gather of this rank's shards (built on the first publish, kept while the weights keep their
+        names, shapes, dtypes and placements) and the shards; None where the weights are gathered per tensor (whole
+        tensors needed: `weight_shards`; no tensor sharded over several ranks; shardings it does not handle). The
+        same answer on every rank."""
+        from meshrl.weight_sync.flat_gather import FlatGather
+
+        shards = self.weight_shards(live=True)  # copied into the send buffer right away
+        if shards is None:
+            return None
+        gather = getattr(self, "_ipc_gather", None)
+        if gather is None or not gather.matches(shards, dtype):
+            gather = self._ipc_gather = FlatGather.for_shards(shards, dtype)
+        return None if gather is None else (gather, shards)
 
     def save_hf(self, path: str, dtype: torch.dtype | None = None) -> str | None:
         """Collective; rank 0 writes atomically (temp dir + rename). Returns the path on rank 0."""

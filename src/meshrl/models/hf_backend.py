@@ -269,17 +269,19 @@ class HFBackend:
                 out[f"{prefix}.weight"] = (w.float() + (delta.T if transposed else delta)).to(w.dtype)
         return out
 
-    def hf_shards(self) -> dict[str, torch.Tensor] | None:
+    def hf_shards(self, *, live: bool = False) -> dict[str, torch.Tensor] | None:
         """What this rank holds of each weight (FSDP2 DTensors, or whole tensors on one rank unsharded) under the
         checkpoint's names, without gathering anything; None with LoRA, whose merge W + scaling · B @ A needs
-        whole factors (publish `hf_state_dict` then)."""
+        whole factors (publish `hf_state_dict` then). `live`: the parameters themselves, not a detached DTensor of
+        each (two DTensor dispatches per weight, ~300 per call, in `state_dict()` and here): read them only, before
+        the next step."""
         if self.lora_config is not None:
             return None
         out = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in self.model.state_dict(keep_vars=live).items():
             hf = self._hf_name(name)
             if hf not in self._aliases:
-                out[hf] = t.detach()
+                out[hf] = t if live else t.detach()
         return out
 
     def _live_state_dict(self) -> dict[str, torch.Tensor]:

@@ -192,13 +192,18 @@ class TorchtitanBackend:
         full = {k: full_tensor(v, snapshot=snapshot) for k, v in self.model.state_dict().items()}
         return qwen3.titan_to_hf(full, self.titan_config)
 
-    def hf_shards(self) -> dict[str, torch.Tensor] | None:
+    def hf_shards(self, *, live: bool = False) -> dict[str, torch.Tensor] | None:
         """What this rank holds of each weight (its FSDP2 DTensors) under HF names, without gathering anything;
-        None when the state-dict adapter does more than rename (fusing or permuting needs whole tensors)."""
+        None when the state-dict adapter does more than rename (fusing or permuting needs whole tensors). `live`:
+        the parameters themselves, not a detached DTensor of each: read them only, before the next step."""
         from meshrl.weight_sync.shards import renamed_only
 
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        hf = qwen3.titan_to_hf(sd, self.titan_config)
+        if live:
+            sd = dict(self.model.state_dict(keep_vars=True))
+        else:
+            sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        with torch.no_grad():  # an adapter that computes (and is then refused) records no graph
+            hf = qwen3.titan_to_hf(sd, self.titan_config)
         return hf if renamed_only(sd, hf) else None
 
     def load_hf(self, path: str) -> None:

@@ -641,12 +641,22 @@ class SharedBufferSender:
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, *, timeout_s: float = 60.0) -> PublishStats:
         """Copy `state_dict` (full tensors, any device; cast to the layout's dtypes) into a free slot and publish
         it as `version`. Returns when readers can see it."""
+        return self.publish_with(lambda slot: self.layout.pack(slot, state_dict), version, timeout_s=timeout_s)
+
+    def publish_with(
+        self, write: Callable[[torch.Tensor], None], version: int, *, timeout_s: float = 60.0
+    ) -> PublishStats:
+        """`publish` for a writer that fills the slot itself: `write(slot)` gets the free slot (a 1-D uint8 tensor
+        of `layout.nbytes`) and must leave every tensor of the layout there, as `layout.pack` would (trainer ranks
+        that gathered their shards into one flat tensor: `meshrl.weight_sync.flat_gather`). Its copies may be
+        asynchronous on the device's current stream: the same slot choice, lock, device sync and version marks as
+        `publish`."""
         slot = self.control.slot_for_write(version)
         t0 = time.perf_counter()
         with self.control.locked(slot, exclusive=True, timeout_s=timeout_s):
             t1 = time.perf_counter()
             self.control.mark_writing(slot)
-            self.layout.pack(self.slot(slot), state_dict)
+            write(self.slot(slot))
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.control.mark_written(slot, version)
