@@ -53,14 +53,17 @@ declare -A LAYOUT=(
   [gpus4]="--placement.gpus 4"
   [gpus4-fast]="--placement.gpus 4 $FAST"
   [gpus4-x4work]="--placement.gpus 4 --grpo.prompts-per-step 128"
+  [coloc2-mb64]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1 --trainer.micro-batch-size 64"
+  # no settings but the job's: what the GPU defaults choose on this machine (every GPU it has)
+  [auto]=""
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
-       split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work)
-GPUS_NEEDED() { case "$1" in 1gpu*) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
+       coloc2-mb64 split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work auto)
+GPUS_NEEDED() { case "$1" in 1gpu* | auto) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then  # the check (one device call): 1 GPU, the 2- and 4-GPU defaults, tests
-  for n in 1gpu gpus2 gpus4; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
+  for n in 1gpu gpus2 gpus4 auto; do [ "$(GPUS_NEEDED "$n")" -le "$gpus" ] && names+=("$n"); done
   names+=(tests)
 elif [ " ${names[*]} " = " all " ]; then  # every layout this machine's GPUs allow (two device calls' worth)
   names=()
@@ -99,10 +102,13 @@ print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M paramete
 EOF
 fi
 
-BASE="--model.path /tmp/gc/model --model.backend hf --model.dtype bfloat16 --trainer.device cuda --trainer.num-procs 1
-  --generator.engine transformers --generator.dtype bfloat16 --generator.max-model-len 320 --generator.max-tokens 256
+# The job, and (EXPLICIT) the settings every named layout states itself, the GPU defaults off (meshrl.gpu_defaults);
+# the `auto` layout gives the job alone, as a user would, and lets the GPU defaults choose the rest.
+JOB="--model.path /tmp/gc/model --generator.max-model-len 320 --generator.max-tokens 256
   --task arithmetic --arithmetic.num-eval 32 --reward exact=1.0 --eval.verifier exact --grpo.prompts-per-step 32
   --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir /tmp/gc/runs"
+EXPLICIT="--run.no-gpu-defaults --model.backend hf --model.dtype bfloat16 --trainer.device cuda --trainer.num-procs 1
+  --generator.engine transformers --generator.dtype bfloat16"
 read -r -a trees <<< "${GPU_CHECK_TREES:-.}"
 assemble() {  # the meshrl namespace of tree $1 as pyproject's package-dir lays it out, under /tmp/gc/pkg$2
   rm -rf "/tmp/gc/pkg$2" && mkdir -p "/tmp/gc/pkg$2" && cp -r "$1/src/meshrl" "/tmp/gc/pkg$2/" || return 1
@@ -128,7 +134,7 @@ for name in "${names[@]}"; do
     rm -rf "/tmp/gc/runs/$run"  # a run of an earlier call on this machine: never read as this one's
     echo "== $run: ${LAYOUT[$name]} ($tree)"
     (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
-      python3 -m meshrl.controller.grpo $BASE ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
+      python3 -m meshrl.controller.grpo $JOB $([ "$name" = auto ] || echo "$EXPLICIT") ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
       | grep -v -E "Warning|warnings.warn" > "$OUT/gpu_check_$run.log"; tail -4 "$OUT/gpu_check_$run.log"; \
       grep -E "weight sync:|placement:" "$OUT/gpu_check_$run.log")
     for f in metrics.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
