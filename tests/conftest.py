@@ -132,13 +132,26 @@ def lane_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config, items):
     if stale := _stale_lane_names():
         warnings.warn(f"tests/conftest.py gives lanes to tests that do not exist (renamed?): {stale}", stacklevel=1)
+    lanes = {}
     for item in items:
-        lane = lane_of(item)
+        lane = lanes[item] = lane_of(item)
         item.add_marker(lane)
         if lane != "unit" or _key(item) in SLOW_UNIT:
             item.add_marker("slow")
         if any(is_needs_cuda(m) for m in item.iter_markers("skipif")):
             item.add_marker("gpu")
+    # Modules that run whole programs first, then those that start processes, then the in-process ones (each
+    # module's tests keep their order): the workers of `-n 2 --dist loadfile` (scripts/test.sh) take whole modules in
+    # this order, so the longest start first and the short ones fill in at the end, instead of a long module
+    # starting last while the other worker idles.
+    first = {}
+    for item in items:
+        module = item.module.__name__
+        first[module] = min(first.get(module, 2), LANE_ORDER[lanes[item]])
+    items.sort(key=lambda item: first[item.module.__name__])
+
+
+LANE_ORDER = {"e2e": 0, "actors": 1, "unit": 2}
 
 
 def _stale_lane_names() -> list[str]:

@@ -455,7 +455,6 @@ def test_data_smaller_than_one_step_is_said(capsys):
     assert "the training data has 8 rows, fewer than one step's --grpo.prompts-per-step 16" in capsys.readouterr().err
 
 
-
 def test_rubric_watch_says_once_what_the_metrics_hide(capsys):
     """Issue 31, items 1 and 17: a function that scores 0 on every sample and never anything else, and one that
     fails on more than half a step's samples, are said once each on stderr (with the first exception)."""

@@ -29,9 +29,10 @@ def test_micro_batch_size_is_a_cap_not_a_divisor():
     """16 samples a step with the default cap of 32 were refused as 'not divisible' (issue 31, item 6): a cap larger
     than the batch is the batch, and a batch it does not divide takes one more, smaller call."""
     cfg = GRPORunConfig(trainer=TrainerConfig(num_procs=2), grpo=GRPOConfig(prompts_per_step=8, group_size=2))
-    assert cfg.trainer.micro_batch_size == 32 and validate_batch_arithmetic(
-        global_batch_size=16, micro_batch_size=32, dp=2, what="x"
-    ) == 1
+    assert (
+        cfg.trainer.micro_batch_size == 32
+        and validate_batch_arithmetic(global_batch_size=16, micro_batch_size=32, dp=2, what="x") == 1
+    )
     assert validate_batch_arithmetic(global_batch_size=30, micro_batch_size=4, dp=2, what="x") == 8
     with pytest.raises(ConfigError, match=r"global_batch_size=30 .* does not split evenly over trainer.num_procs=4"):
         GRPORunConfig(

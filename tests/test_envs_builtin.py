@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from meshrl.rollout.environment import play
 from meshrl.envs.calculator import (
     INSTRUCTION,
     CalculatorEnv,
@@ -21,6 +20,7 @@ from meshrl.envs.calculator import (
 )
 from meshrl.envs.guess_number import GuessNumberEnv, binary_search_guesses
 from meshrl.errors import ConfigError
+from meshrl.rollout.environment import play
 from meshrl.tasks.base import Row
 
 # --- safe_eval ---------------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ def out(tmp_path_factory):
 def _command(out, name, addresses, *extra) -> list[str]:
     placement = ["--placement", "hosts", "--placement.workers", ",".join(addresses)]
     placement += ["--placement.trainer-host", "0", "--placement.generator-host", "1", "--placement.reward-host", "1"]
-    flags = [*TWO_HOST_FLAGS, *placement, "--run.output-dir", str(out), "--run.name", name, *extra]
+    # One trainer rank: what crosses hosts is the point here (several ranks over hosts: test_placement_jobs).
+    flags = [*TWO_HOST_FLAGS, "--trainer.num-procs", "1", *placement, "--run.output-dir", str(out), "--run.name", name]
+    flags += extra
     return [sys.executable, "-m", "meshrl.controller.grpo", *flags]
 
 

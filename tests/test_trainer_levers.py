@@ -83,9 +83,7 @@ def _run(model_dir: str, backend: str, **levers):
     p = Policy.from_options(model_dir, backend=backend, **levers)
     data = random_data(4, seed=3)
     fwd = p.forward(data, temperature=0.8)
-    spec = LossSpec(
-        "grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data), temperature=0.8, return_logprobs=True
-    )
+    spec = LossSpec("grpo", num_loss_tokens=sum(d.num_loss_tokens for d in data), temperature=0.8, return_logprobs=True)
     fb = p.forward_backward(data, spec)
     grads = {  # AC's wrapper renames parameters (not state-dict keys): compare under the plain names
         n.replace("._checkpoint_wrapped_module", ""): full_tensor(q.grad).clone()

@@ -85,4 +85,3 @@ class HangsForAMinute(Environment):
 
     def demonstration(self, row: Row) -> list[str]:
         return ["1"]
-
