@@ -28,6 +28,8 @@ FLAGS = [
     "2",
     "--grpo.group-size",
     "4",
+    "--trainer.num-procs",  # one rank: environments are the point here (the 'flaky' run below takes two)
+    "1",
     "--trainer.micro-batch-size",
     "8",
     "--generator.engine",
