@@ -139,10 +139,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
         if any(is_needs_cuda(m) for m in item.iter_markers("skipif")):
             item.add_marker("gpu")
-        # `-n 2 --dist loadgroup` (scripts/test.sh) keeps each group on one worker: a module (its module-scoped runs
-        # are made once), and every test of the session's `ctl` Controller together (one Controller, not one per
-        # worker: 4 processes, ~50 CPU-seconds to start).
-        item.add_marker(pytest.mark.xdist_group("ctl" if "ctl" in item.fixturenames else item.module.__name__))
+    # `-n 2 --dist loadgroup` (scripts/test.sh) keeps each group on one worker, in its order: a module (its
+    # module-scoped runs are made once, and its tests may build on each other), and the modules that use the session's
+    # `ctl` Controller together (one Controller, not one per worker: 4 processes, ~50 CPU-seconds to start).
+    with_ctl = {item.module.__name__ for item in items if "ctl" in item.fixturenames}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("ctl" if module in with_ctl else module))
 
 
 class _ModulesByLane:
