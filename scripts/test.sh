@@ -10,12 +10,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh || exit 1
-# Two workers (pytest-xdist), whole modules each (their module-scoped runs are made once; tests/conftest.py groups
-# them, and the tests of the session's Controller into one group): the programs the tests
+# Two workers (pytest-xdist), whole modules each (their module-scoped runs are made once): the programs the tests
 # start leave a core idle about a third of the time (imports, waits on heartbeats and timeouts), which the other
-# worker fills: the full lane took 24 min this way against 34 min in one process on the 2-core machine. Pass -n 0
+# worker fills: the full lane took 22-24 min this way against 34-37 min in one process on the 2-core machine. Pass -n 0
 # (or -p no:xdist) for one process, e.g. to read a test's output with -s.
-workers=(-n "${MESHRL_TEST_WORKERS:-2}" --dist loadgroup)
+workers=(-n "${MESHRL_TEST_WORKERS:-2}" --dist loadfile)
 for a in "$@"; do case "$a" in -n | -n[0-9]* | --numprocesses* | no:xdist) workers=() ;; esac; done
 .venv/bin/python -m pytest -q "${workers[@]}" "$@"
 rc=$?

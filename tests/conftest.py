@@ -139,37 +139,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
         if any(is_needs_cuda(m) for m in item.iter_markers("skipif")):
             item.add_marker("gpu")
-    # `-n 2 --dist loadgroup` (scripts/test.sh) keeps each group on one worker, in its order: a module (its
-    # module-scoped runs are made once, and its tests may build on each other), and the modules that use the session's
-    # `ctl` Controller together (one Controller, not one per worker: 4 processes, ~50 CPU-seconds to start).
-    with_ctl = {item.module.__name__ for item in items if "ctl" in item.fixturenames}
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("ctl" if module in with_ctl else module))
-
-
-class _ModulesByLane:
-    """Orders the modules that run whole programs first, then those that start processes, then the in-process ones
-    (each module's tests keep their order): the workers of `-n 2 --dist loadgroup` (scripts/test.sh) take whole
-    modules (xdist groups) in this order, so the longest start first and the short ones fill in at the end, instead
-    of a long module starting last while the other worker idles. A plugin of its own, so that it runs after
-    pytest's reordering by parametrized fixtures (which would undo it), and after the lanes are given."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items):
-        first: dict[str, int] = {}
-        for item in items:
-            lane = next((m.name for m in item.iter_markers() if m.name in LANE_ORDER), "unit")
-            module = item.module.__name__
-            first[module] = min(first.get(module, 2), LANE_ORDER[lane])
-        items.sort(key=lambda item: first[item.module.__name__])
-
-
-def pytest_configure(config):
-    config.pluginmanager.register(_ModulesByLane(), "meshrl-modules-by-lane")
-
-
-LANE_ORDER = {"e2e": 0, "actors": 1, "unit": 2}
 
 
 def _stale_lane_names() -> list[str]:
