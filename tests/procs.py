@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target, world: int, *args, timeout_s: float) -> None:
+    """`world` spawned processes running `target(rank, *args)` (gloo ranks of a test), joined; each must exit 0."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])

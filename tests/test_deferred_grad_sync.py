@@ -5,12 +5,10 @@ group of 2 ranks (spawned processes) and the real Policy."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import random_data
+from procs import free_port, run_ranks
 
 from meshrl.types import LossSpec, OptimParams
 
@@ -18,12 +16,6 @@ from meshrl.types import LossSpec, OptimParams
 # compares the accumulated gradients themselves.
 LINEAR_ADAM = OptimParams(lr=1.0, eps=1e3, grad_clip=0.0)
 CALLS, PER_CALL = 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, port: int, model_dir: str, out: str) -> None:
@@ -60,14 +52,8 @@ def _train(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 def test_deferred_sync_on_two_ranks_equals_one_batch(base_model_dir, tmp_path):
-    ctx = mp.get_context("spawn")
-    port, out = _free_port(), str(tmp_path / "runs.pt")
-    procs = [ctx.Process(target=_train, args=(r, port, base_model_dir, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    out = str(tmp_path / "runs.pt")
+    run_ranks(_train, 2, free_port(), base_model_dir, out, timeout_s=300)
     runs = torch.load(out)
     one = runs["one_call"]
     # Deferred: nothing reached the sharded gradients after the first call; not deferred: it did.

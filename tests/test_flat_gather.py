@@ -7,11 +7,9 @@ and in one process, the index arithmetic of packing and unpacking against `torch
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from procs import free_port, run_ranks
 
 from meshrl.weight_sync.flat_gather import GatherPlan, shard_rows
 from meshrl.weight_sync.shared_buffer import ALIGN, FlatLayout
@@ -81,12 +79,6 @@ def test_pack_and_unpack_put_uneven_chunks_back_in_place(ranks, dtype):
     wrong = {k: whole[k][:1] if k == "emb" else whole[k] for k in sharded}
     with pytest.raises(ValueError, match="emb: shard 0"):
         plan.pack(sends[0], wrong, 0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fsdp_model(mesh) -> torch.nn.Module:
@@ -202,14 +194,8 @@ def _publish_from_policy(rank: int, model_dir: str, results: dict, senders: list
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_fsdp_ranks_publish_the_bytes_of_the_whole_tensors(base_model_dir, tmp_path, ranks):
-    ctx = mp.get_context("spawn")
-    port, out = _free_port(), str(tmp_path / "results.pt")
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, base_model_dir, out)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    out = str(tmp_path / "results.pt")
+    run_ranks(_rank_main, ranks, ranks, free_port(), base_model_dir, out, timeout_s=240)
     results = torch.load(out)
     # FSDP2 split them as the plan assumes: rank 0 holds ceil(rows / ranks) rows
     sharded = {k: v for k, v in _whole().items() if k not in ("count", "scale")}
