@@ -404,28 +404,38 @@ class WatchedMesh:
     """An actor mesh that is not replaced (the trainer) but watched: waiting on any of its calls checks its
     processes' heartbeat every `poll_s`, so a frozen process ends the run within `heartbeat_s` of being waited on,
     named as frozen, instead of after Monarch's supervision timeout (reported as a death) or the call timeout.
-    `on_frozen()` runs first (killing the processes: a frozen process cannot stop itself)."""
+    `on_frozen()` runs first (killing the processes: a frozen process cannot stop itself). `dead()`: names the
+    processes of the mesh that are gone ("trainer rank 1 of 2 (pid 4242)"; None: none), asked before the heartbeat:
+    a killed rank leaves the heartbeat unanswered too, and on a loaded machine Monarch's supervision may report the
+    death only after `heartbeat_s`, so without it a death was told as a freeze (CI, two test workers)."""
 
     def __init__(
         self, mesh: Any, heartbeat: Any, *, what: str, heartbeat_s: float, on_frozen: Callable[[], None],
-        poll_s: float = 1.0,
+        poll_s: float = 1.0, dead: Callable[[], str | None] | None = None,
     ) -> None:  # fmt: skip
         self.mesh, self._heartbeat, self._what = mesh, heartbeat, what  # `mesh`: the actors, unwatched
         self._heartbeat_s, self._on_frozen, self._poll_s = heartbeat_s, on_frozen, poll_s
+        self._dead = dead or (lambda: None)
 
     def __getattr__(self, endpoint: str) -> _WatchedEndpoint:
         return _WatchedEndpoint(self, getattr(self.mesh, endpoint))
 
     def check(self) -> None:
+        self._raise_if_dead()
         try:
             heartbeat_answers(self._heartbeat.beat.call, self._heartbeat_s)
         except TimeoutError:
+            self._raise_if_dead()
             self._on_frozen()
             raise ActorFrozenError(
                 f"{self._what} stopped answering: no heartbeat for {self._heartbeat_s:g}s (frozen or hung, not dead)"
             ) from None
         except SupervisionError:
             pass  # died: the call itself raises that
+
+    def _raise_if_dead(self) -> None:
+        if gone := self._dead():
+            raise ActorDiedError(f"{gone} died (its process is gone)", gone)
 
 
 class _WatchedEndpoint:

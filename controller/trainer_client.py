@@ -51,6 +51,7 @@ class TrainerClient:
             what=f"a trainer process ({cfg.num_procs} ranks)",
             heartbeat_s=heartbeat_s,
             on_frozen=self.kill,
+            dead=self.dead_ranks,
         )
         self.mesh = self.actors.mesh  # the actors, unwatched
         self._ready = Pending(  # unwatched: its heartbeat may still be starting while the model loads
