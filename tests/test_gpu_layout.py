@@ -102,8 +102,9 @@ def test_layouts_that_cannot_apply_are_refused_naming_the_flag():
     base = GRPORunConfig()
     with pytest.raises(ConfigError, match=r"--placement.gpus 0: give 1 or more GPUs"):
         dataclasses.replace(base.placement, gpus=0)
-    with pytest.raises(ConfigError, match="--placement.gpus 2 lays out GPUs, but --trainer.device is 'cpu'"):
-        dataclasses.replace(base, placement=dataclasses.replace(base.placement, gpus=2))
+    # --placement.gpus implies the trainer's device: a user need not also say --trainer.device cuda.
+    implied = dataclasses.replace(base, placement=dataclasses.replace(base.placement, gpus=2))
+    assert implied.trainer.device == "cuda" and implied.trainer.devices == [0]
     trainer = dataclasses.replace(base.trainer, device="cuda", num_procs=4)
     with pytest.raises(ConfigError, match="--placement.gpus 2 with --trainer.num-procs 4: one trainer rank per GPU"):
         dataclasses.replace(base, trainer=trainer, placement=dataclasses.replace(base.placement, gpus=2))

@@ -206,10 +206,9 @@ class GRPORunConfig:
         from meshrl.placement import gpu_layout
 
         if self.trainer.device != "cuda":
-            raise ConfigError(
-                f"--placement.gpus {gpus} lays out GPUs, but --trainer.device is {self.trainer.device!r}; add "
-                "--trainer.device cuda (and --generator.dtype / --model.dtype as wanted)"
-            )
+            # Placing GPUs says where the trainer computes: --trainer.device cuda is implied, not demanded (a
+            # machine without the GPUs is refused at launch, preflight.check_gpu_count).
+            self.trainer = replace(self.trainer, device="cuda")
         placed = self.trainer.devices is not None
         if not placed:
             chosen = self.trainer.num_procs == TrainerConfig.num_procs  # the CPU default: the layout chooses

@@ -207,9 +207,12 @@ def check_gpu_count(gpus: int) -> None:
     if seen < gpus:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = "the driver's list" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+        if seen == 0 and visible is None:
+            do = "leave --placement.gpus out to run on the CPU, or run where the GPUs are"
+        else:
+            do = f"use --placement.gpus {max(seen, 1)}{' or make the GPUs visible' if visible is not None else ''}"
         raise ConfigError(
-            f"--placement.gpus {gpus}, but this process sees {seen} GPU{'s' if seen != 1 else ''} ({where}); use "
-            f"--placement.gpus {max(seen, 1)}{' or make the GPUs visible' if visible is not None else ''}"
+            f"--placement.gpus {gpus}, but this process sees {seen} GPU{'s' if seen != 1 else ''} ({where}); {do}"
         )
 
 
