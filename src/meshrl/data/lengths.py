@@ -33,11 +33,12 @@ def char_cap(tokenizer: Any, tokens: int) -> int:
 
 
 def text_chars(value: Any) -> int:
-    """The characters of a prompt or response: a str, or chat messages (their contents)."""
+    """The characters of a prompt or response: a str, or chat messages (their contents; the text of content parts,
+    images counting none)."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, Mapping):
-        return text_chars(value.get("content"))
+        return text_chars(value.get("text") if value.get("type") == "text" else value.get("content"))
     if isinstance(value, list | tuple):
         return sum(text_chars(m) for m in value)
     return 0

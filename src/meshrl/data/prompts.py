@@ -21,8 +21,14 @@ A row is one of two shapes (field names are `DataConfig`'s):
   verifier compares text); a list / object / empty string makes the row bad. `answer_field` None or "": rows
   need no answer (`Row.answer` is then the trailing assistant turn's content, or None).
 - A field whose value is null counts as absent (columnar files hold null where a row lacks the field).
+- Images: a message's content may be a list of parts, `{"type": "text", "text": ...}` and `{"type": "image",
+  "image": ...}` (a path, relative to the data file's directory; encoded bytes; a PIL image; a datasets Image value),
+  or the row holds a list of images in `images_field`, merged into the first user turn before its text. Every
+  image is decoded and checked at load and carried as a `WireImage` (meshrl.rollout.images); a bad one (missing,
+  undecodable, more than `max_images_per_row`) stops the load naming the file, row and image
+  (`on_bad_image="error"`), or the row is skipped and counted (`"skip"`). Rows without images load as before.
 - Every other field of the row goes to `Row.info` untouched (the verifiers receive it), nulls included; the
-  field the prompt came from, the answer field, and a null prompt / messages field do not.
+  field the prompt came from, the answer and images fields, and a null prompt / messages field do not.
 
 A bad row stops the load naming the file, the row number and the field (`on_bad_row="error"`), or is skipped and
 counted by reason (`"skip"`). Prompt length is not checked here — it needs the model's tokenizer and chat
@@ -31,17 +37,21 @@ template: render first, then `drop_long`.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from meshrl.data.roles import CHAT_ROLES, check_roles
-from meshrl.data.rows import BadRowError, Source, iter_rows, source_name
+from meshrl.data.rows import BadRowError, Source, is_path, iter_rows, source_name
 from meshrl.errors import ConfigError, DataError
+from meshrl.rollout.images import BadImageError, merge_images_field, resolve_row_images
 from meshrl.rollout.row import Row
 
 SKIP_HINT = "fix the row, or set --data.on-bad-row skip to skip such rows"
+IMAGE_SKIP_HINT = "fix the row, or set --data.on-bad-image skip to skip rows with a bad image"
 
 
 @dataclass
@@ -66,6 +76,16 @@ class DataConfig:
     the row and the field, or skip it and count it in the log."""
     max_eval_rows: int | None = None
     """Evaluate on the first N usable held-out rows only. None: all of them."""
+    images_field: str | None = None
+    """The row field holding a list of images (file paths, relative to the data file's directory; encoded bytes;
+    datasets Image values), merged into the first user turn before its text. None: images only as image parts of
+    chat messages ({"type": "image", "image": ...})."""
+    max_images_per_row: int = 8
+    """A row with more images than this is a bad image row (see --data.on-bad-image)."""
+    on_bad_image: Literal["error", "skip"] = "error"
+    """A row with an image that cannot be used (missing file, undecodable, unsupported type, zero size, too many):
+    stop at load naming the file, the row and the image, or skip: the row is dropped and counted; the count is
+    printed."""
 
     def __post_init__(self) -> None:
         if self.answer_field == "":
@@ -91,6 +111,21 @@ class DataConfig:
             )
         if self.max_eval_rows is not None and self.max_eval_rows < 1:
             raise ConfigError(f"--data.max-eval-rows {self.max_eval_rows} must be >= 1 (or unset: all rows)")
+        if self.images_field == "":
+            self.images_field = None
+        if self.images_field is not None and self.images_field in (
+            self.prompt_field,
+            self.messages_field,
+            self.answer_field,
+        ):
+            raise ConfigError(
+                f"--data.images-field {self.images_field!r} is also the prompt, messages or answer field; name the "
+                "field that holds the row's list of images"
+            )
+        if self.max_images_per_row < 1:
+            raise ConfigError(f"--data.max-images-per-row {self.max_images_per_row} must be >= 1")
+        if self.on_bad_image not in ("error", "skip"):
+            raise ConfigError(f"--data.on-bad-image {self.on_bad_image!r}: use 'error' or 'skip'")
 
 
 @dataclass
@@ -116,14 +151,23 @@ def load_prompt_rows(
     if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1 (or None: all rows)")
     name = source_name(source)
+    base_dir = _base_dir(source)
     rows: list[Row] = []
     skipped: Counter = Counter()
     for row_number, raw in iter_rows(source):
         try:
-            rows.append(to_row(raw, cfg, roles=roles))
+            row = to_row(raw, cfg, roles=roles)
         except BadRowError as e:
             if cfg.on_bad_row == "error":
                 raise BadRowError(f"{name}, row {row_number}: {e} ({SKIP_HINT})") from None
+            skipped[e.reason] += 1
+            continue
+        try:  # decoded and checked once, here: a bad image stops the load, not a rollout hours later
+            where = f"row {row_number} of {name}"
+            rows.append(resolve_row_images(row, base_dir=base_dir, where=where, max_images=cfg.max_images_per_row))
+        except BadImageError as e:
+            if cfg.on_bad_image == "error":
+                raise BadImageError(f"{e} ({IMAGE_SKIP_HINT})", reason=e.reason) from None
             skipped[e.reason] += 1
             continue
         if limit is not None and len(rows) >= limit:
@@ -134,17 +178,30 @@ def load_prompt_rows(
     return PromptRows(rows, name, skipped)
 
 
+def _base_dir(source: Source) -> Path | None:
+    """Where relative image paths of a source's rows are read from: the directory holding the data file (or the
+    datasets directory); None (the working directory) for rows in memory."""
+    if not is_path(source):
+        return None
+    path = Path(os.fspath(source))
+    if not path.exists():  # DIR:SPLIT of a DatasetDict
+        path = Path(os.fspath(source).rpartition(":")[0] or path)
+    return path.absolute().parent
+
+
 PYTHON_ROWS = DataConfig()
 """The field names of rows given as dicts from Python (an environment's `rows`): a data file's defaults."""
 
 
 def as_row(value: Row | Mapping[str, Any]) -> Row:
     """A row given from Python: a `Row` as is, or a dict in a data file's shape (`prompt` text or chat `messages`,
-    an optional `answer`, every other field into `Row.info`), read as `to_row` reads a file's rows. Raises
-    BadRowError saying what is wrong with a dict."""
+    an optional `answer`, every other field into `Row.info`), read as `to_row` reads a file's rows, its images (image
+    parts of its messages; relative paths from the working directory) resolved. Raises BadRowError saying what is
+    wrong with a dict (BadImageError for an image)."""
     if isinstance(value, Row):
         return value
-    return to_row(value, PYTHON_ROWS, answer_required=False)
+    row = to_row(value, PYTHON_ROWS, answer_required=False)
+    return resolve_row_images(row, where="a row given from Python", max_images=PYTHON_ROWS.max_images_per_row)
 
 
 def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True, roles: Collection[str] = CHAT_ROLES) -> Row:
@@ -171,9 +228,15 @@ def to_row(raw: Any, cfg: DataConfig, *, answer_required: bool = True, roles: Co
         raise BadRowError(f"field {prompt_key!r} is an empty prompt")
     else:
         prompt = value
-    # Not info: the field the prompt came from, the answer field, and a null prompt / messages / answer field (a
-    # columnar file's "absent").
-    used = {prompt_key} | {k for k in (cfg.prompt_field, cfg.messages_field, cfg.answer_field) if k and _null(raw, k)}
+    # Not info: the field the prompt came from, the answer and images fields, and a null prompt / messages / answer /
+    # images field (a columnar file's "absent").
+    fields = (cfg.prompt_field, cfg.messages_field, cfg.answer_field, cfg.images_field)
+    used = {prompt_key} | {k for k in fields if k and _null(raw, k)}
+    if cfg.images_field is not None and _present(raw, cfg.images_field):
+        images = raw[cfg.images_field]
+        if not isinstance(images, list | tuple) or images:  # an empty list: a text-only row
+            prompt = merge_images_field(prompt, images)
+        used.add(cfg.images_field)
     if cfg.answer_field is not None and _present(raw, cfg.answer_field):
         answer = _answer(raw[cfg.answer_field], cfg.answer_field)
         used.add(cfg.answer_field)
@@ -210,20 +273,63 @@ def _messages(value: Any, key: str, roles: Collection[str]) -> tuple[list[dict[s
     for m in value:
         if not isinstance(m, Mapping):
             raise BadRowError(f"{shape}; a message is {type(m).__name__}")
-        for part in ("role", "content"):
-            if not isinstance(m.get(part), str):
-                got = "missing" if m.get(part) is None else type(m[part]).__name__
-                raise BadRowError(f"{shape}; a message's {part!r} is {got}, expected str")
-        messages.append({k: v for k, v in m.items() if v is not None})
+        if not isinstance(m.get("role"), str):
+            got = "missing" if m.get("role") is None else type(m["role"]).__name__
+            raise BadRowError(f"{shape}; a message's 'role' is {got}, expected str")
+        content = m.get("content")
+        if isinstance(content, list | tuple):
+            content = _parts(content, shape)
+        elif not isinstance(content, str):
+            got = "missing" if content is None else type(content).__name__
+            raise BadRowError(f"{shape}; a message's 'content' is {got}, expected str or a list of content parts")
+        messages.append({k: content if k == "content" else v for k, v in m.items() if v is not None})
     check_roles(messages, roles)
     trailing = None
     if messages[-1]["role"] == "assistant":
-        trailing = messages.pop()["content"]
+        trailing = _answer_text(messages.pop()["content"], key)
         if not messages:
             raise BadRowError(f"field {key!r} holds only the assistant's message: no prompt left")
-    if not any(m["content"].strip() for m in messages):
+    if not any(_has_content(m["content"]) for m in messages):
         raise BadRowError(f"field {key!r} is an empty prompt (every message's content is empty)")
     return messages, trailing
+
+
+PART_TYPES = ("text", "image")
+
+
+def _parts(content: Sequence[Any], shape: str) -> list[dict[str, Any]]:
+    """A message's content given as parts ({"type": "text", "text": ...} / {"type": "image", "image": ...}), null keys
+    dropped (a columnar file's "absent"). The images are checked later (meshrl.rollout.images)."""
+    parts = []
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") not in PART_TYPES:
+            got = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise BadRowError(
+                f"{shape}; a content part is {got!r}, expected {{'type': 'text', 'text': ...}} or "
+                "{'type': 'image', 'image': ...}",
+                reason="unsupported content part",
+            )
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise BadRowError(f"{shape}; a text part has no str 'text'")
+        if part["type"] == "image" and part.get("image") is None:
+            raise BadRowError(f"{shape}; an image part has no 'image' (a path, bytes or an image)")
+        parts.append({k: v for k, v in part.items() if v is not None})
+    return parts
+
+
+def _has_content(content: str | list[dict[str, Any]]) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(p["type"] == "image" or p["text"].strip() for p in content)
+
+
+def _answer_text(content: str | list[dict[str, Any]], key: str) -> str:
+    """A trailing assistant message's content as the answer text: its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if any(p["type"] != "text" for p in content):
+        raise BadRowError(f"field {key!r} ends with an assistant message holding an image: the answer must be text")
+    return "".join(p["text"] for p in content)
 
 
 def _answer(value: Any, key: str) -> str:
