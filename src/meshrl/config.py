@@ -43,6 +43,7 @@ from meshrl.run_dir import RunConfig
 from meshrl.tasks.arithmetic import ArithmeticConfig
 from meshrl.tasks.reasoning_gym import ReasoningGymConfig
 from meshrl.tasks.reverse import ReverseTaskConfig
+from meshrl.tasks.shapes import ShapesConfig
 
 __all__ = [  # the run configs, and every section they nest (importable from here as before they moved)
     "ArithmeticConfig",
@@ -67,6 +68,7 @@ __all__ = [  # the run configs, and every section they nest (importable from her
     "SFTConfig",
     "SFTDataConfig",
     "SFTRunConfig",
+    "ShapesConfig",
     "TrainerConfig",
     "TransformersEngineConfig",
     "VLLMEngineConfig",
@@ -120,9 +122,10 @@ class GRPORunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: str | None = None
     """The RL task: 'reverse' (built-in string reversal), 'arithmetic' (built-in procedural math, math-verify),
-    'data' (prompt rows from --data.train/--data.eval), 'reasoning_gym:NAME' (a procedural reasoning-gym task, e.g.
-    countdown), or package.module:function returning a meshrl.tasks.Task. Default: 'data' when --data.train is
-    given, else 'reverse'."""
+    'shapes' (built-in questions about drawn shapes, for vision-language models), 'data' (prompt rows from
+    --data.train/--data.eval), 'reasoning_gym:NAME' (a procedural reasoning-gym task, e.g. countdown), or
+    package.module:function returning a meshrl.tasks.Task. Default: 'data' when --data.train is given, else
+    'reverse'."""
     reward: str | None = None
     """Reward functions and weights, e.g. 'math_verify=1.0,format=0.1' or 'task=1.0,my_pkg.my_mod:fn=0.5': built-in
     (exact_match, char_match, exact, regex, math_verify, format, length_penalty), 'task' (the task's own verifier),
@@ -132,6 +135,7 @@ class GRPORunConfig:
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
@@ -320,6 +324,7 @@ class SFTRunConfig:
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -358,6 +363,7 @@ class EvalRunConfig:
     reverse: ReverseTaskConfig = field(default_factory=ReverseTaskConfig)
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     render: RenderConfig = field(default_factory=RenderConfig)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)

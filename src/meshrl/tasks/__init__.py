@@ -1,6 +1,8 @@
 """RL tasks behind one seam (meshrl.tasks.base): rows in, scores out.
 
 --task reverse                    the built-in string reversal (a tiny model learns it on a CPU)
+--task arithmetic                 built-in procedural arithmetic, scored by math-verify
+--task shapes                     built-in questions about drawn shapes, for vision-language models
 --task data                       prompt rows from --data.train / --data.eval files, or Python lists
 --task reasoning_gym:countdown    a procedural reasoning-gym task, scored by its own verifier
 --task my_pkg.my_mod:make_task    your own: a function returning a meshrl.tasks.Task
@@ -15,7 +17,7 @@ from typing import Any
 from meshrl.errors import ConfigError
 from meshrl.tasks.base import Row, Task
 
-BUILT_IN = ("reverse", "arithmetic", "data", "reasoning_gym:NAME")
+BUILT_IN = ("reverse", "arithmetic", "shapes", "data", "reasoning_gym:NAME")
 
 
 def task_name(cfg: Any) -> str:
@@ -27,8 +29,8 @@ def task_name(cfg: Any) -> str:
 
 def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: Sequence[Any] | None = None) -> Task:
     """The run's task. `cfg` is a run config (GRPORunConfig / SFTRunConfig / EvalRunConfig): its `task` names the
-    task and its `reverse` / `reasoning_gym` / `data` sections configure it. `train_rows` / `eval_rows` (Python
-    lists of row dicts or `Row`s) stand in for --data.train / --data.eval."""
+    task and its `reverse` / `arithmetic` / `shapes` / `reasoning_gym` / `data` sections configure it. `train_rows` /
+    `eval_rows` (Python lists of row dicts or `Row`s) stand in for --data.train / --data.eval."""
     env = getattr(cfg, "env", None)
     if env is not None and env.name and cfg.task is None and train_rows is None and cfg.data.train is None:
         from meshrl.envs.tasks import build_env_task
@@ -43,6 +45,10 @@ def build_task(cfg: Any, *, train_rows: Sequence[Any] | None = None, eval_rows: 
         from meshrl.tasks.arithmetic import build_arithmetic_task
 
         return build_arithmetic_task(cfg.arithmetic)
+    if name == "shapes":
+        from meshrl.tasks.shapes import build_shapes_task
+
+        return build_shapes_task(cfg.shapes)
     if name.startswith("reasoning_gym:"):
         from meshrl.tasks.reasoning_gym import build_reasoning_gym_task
 
