@@ -24,10 +24,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshrl.data.rows import BadRowError
 from meshrl.rollout.row import Row
+
+if TYPE_CHECKING:  # Pillow is imported when an image is first decoded: text-only runs never load it
+    from PIL.Image import Image
 
 KEPT_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
 """Encoded images carried as they came (see `_encode`); any other format is re-encoded as PNG."""
@@ -55,7 +58,7 @@ class WireImage:
         return f"WireImage({self.width}x{self.height}, {len(self.data)} bytes)"
 
 
-def load_image(value: Any, *, base_dir: str | os.PathLike | None = None, where: str = "an image") -> Any:
+def load_image(value: Any, *, base_dir: str | os.PathLike | None = None, where: str = "an image") -> Image:
     """`value` (any form of the module docstring, or a WireImage) as an RGB PIL image, or BadImageError naming
     `where` (e.g. "row 3 of data/train.jsonl, image 1"), the value, and what to do."""
     return _decode(value, base_dir, where)[0]
@@ -75,7 +78,7 @@ def wire_image(image: Any, *, base_dir: str | os.PathLike | None = None, where: 
     return WireImage(_encode(rgb, encoded, fmt), rgb.width, rgb.height)
 
 
-def from_wire(data: bytes | WireImage) -> Any:
+def from_wire(data: bytes | WireImage) -> Image:
     """The RGB PIL image of a wire form (a WireImage or its bytes)."""
     raw = data.data if isinstance(data, WireImage) else data
     return _decode_bytes(bytes(raw), "a wire image")[0]
