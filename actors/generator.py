@@ -78,15 +78,19 @@ class Generator(Actor):
 
     @endpoint
     async def generate(
-        self, prompts: list[list[int]], params: SamplingParams, expected_version: int | None = None
-    ) -> list[list[Completion]]:
+        self, prompts: list[list[int]], params: SamplingParams, expected_version: int | None = None,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[list[Completion]]:  # fmt: skip
+        """`images`: per prompt, its encoded images (a vision-language model; None: text only)."""
         if expected_version is not None and expected_version != self.policy_version:
             raise StaleWeightsError(
                 f"generator holds policy_version={self.policy_version} but {expected_version} was asked for; "
                 "call pull_weights first"
             )
         with self.busy_log.busy("generate"):
-            return self._engine().generate(prompts, params, self.policy_version)
+            if images is None:
+                return self._engine().generate(prompts, params, self.policy_version)
+            return self._engine().generate(prompts, params, self.policy_version, images=images)
 
     @endpoint
     async def sleep(self, level: int = 1) -> dict:
@@ -117,8 +121,12 @@ class Generator(Actor):
         return self.busy_log.take()
 
     @endpoint
-    async def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self._engine().prompt_logprobs(sequences)
+    async def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[list[float]]:
+        if images is None:
+            return self._engine().prompt_logprobs(sequences)
+        return self._engine().prompt_logprobs(sequences, images=images)
 
     @endpoint
     async def attach_weight_buffer(self, handle) -> str:

@@ -343,25 +343,30 @@ class Controller:
 
     # ---- generation and scoring ---------------------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
-    ) -> Pending[list[list[Completion]]]:
+        self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> Pending[list[list[Completion]]]:  # fmt: skip
         """Spread prompts over the generator replicas; completions come back in prompt order, each stamped
         with the policy version that produced it (checked to be `version`, default the current one: an episode
-        played in the background while the trainer steps pins the version it started on)."""
+        played in the background while the trainer steps pins the version it started on). `images`: per prompt,
+        its encoded images (`Renderer.prompt_images`; None: a text-only call)."""
         generators = self._need("generators", self.generators)
-        return generators.generate(prompts, params, self.policy_version if version is None else version)
+        return generators.generate(prompts, params, self.policy_version if version is None else version, images)
 
     def complete(
-        self, prompts: list[list[int]], params: SamplingParams, version: int | None = None
-    ) -> list[Completion]:
+        self, prompts: list[list[int]], params: SamplingParams, version: int | None = None,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[Completion]:  # fmt: skip
         """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as
         the episode runner's cohorts do: the calls are sent one at a time and waited on together."""
         generators = self._need("generators", self.generators)
-        return generators.complete(prompts, params, self.policy_version if version is None else version)
+        return generators.complete(prompts, params, self.policy_version if version is None else version, images)
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
+    def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> Pending[list[list[float]]]:
         """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
-        return self._need("generators", self.generators).prompt_logprobs(sequences)
+        return self._need("generators", self.generators).prompt_logprobs(sequences, images)
 
     def sleep_generators(self, level: int = 1) -> None:
         """Every generator releases its KV cache (level 2: its weights too) until `wake_generators` (controller/

@@ -67,20 +67,23 @@ class GeneratorPool(ReplicaPool):
             self.actor(i).sleep.call_one(self.asleep).get(timeout=self.timeout_s)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, version: int
-    ) -> Pending[list[list[Completion]]]:
+        self, prompts: list[list[int]], params: SamplingParams, version: int,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> Pending[list[list[Completion]]]:  # fmt: skip
         """Spread prompts over the replicas; completions come back in prompt order, each stamped with the policy
-        version that produced it (checked to be `version`)."""
+        version that produced it (checked to be `version`). `images`: per prompt, its encoded images (None: a
+        text-only call); they go with their prompt to its replica."""
         # Loads queued by sync(wait=False) run before this call on every generator: wait on them with it, so that a
         # failed load fails this call (with its own message) instead of passing unnoticed.
         loads = self.weights.take_loads_in_flight() if self.weights is not None else []
         n = len(self)
         shards = [prompts[i::n] for i in range(n)]
         futures = [
-            self.send(i, "generate", shard, self.replica_params(params, i, len(prompts)), version)
+            self.send(i, "generate", shard, self.replica_params(params, i, len(prompts)), version,
+                      *([images[i::n]] if images is not None else []))
             for i, shard in enumerate(shards)
             if shard
-        ]
+        ]  # fmt: skip
         load_calls = [call for _, calls in loads for call in calls]
 
         def interleave(parts: list[Any]) -> list[list[Completion]]:
@@ -93,11 +96,14 @@ class GeneratorPool(ReplicaPool):
 
         return Pending(load_calls + futures, interleave, self.timeout_s, "generate")
 
-    def complete(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
+    def complete(
+        self, prompts: list[list[int]], params: SamplingParams, version: int,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[Completion]:  # fmt: skip
         """One completion per prompt (params.n is 1), waited for. Safe to call from several threads at once, as
         the episode runner's cohorts do: the calls are sent one at a time and waited on together."""
         with self._submit:
-            pending = self.generate(prompts, params, version)
+            pending = self.generate(prompts, params, version, images)
         return [group[0] for group in pending.result()]
 
     @staticmethod
@@ -108,9 +114,11 @@ class GeneratorPool(ReplicaPool):
             return params
         return dataclasses.replace(params, seed=params.seed + replica * num_prompts * params.n)
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> Pending[list[list[float]]]:
+    def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> Pending[list[list[float]]]:
         """Generator-side logprobs of fixed sequences (replica 0), for parity checks against `forward`."""
-        fut = self.send(0, "prompt_logprobs", sequences)
+        fut = self.send(0, "prompt_logprobs", sequences, *([images] if images is not None else []))
         return Pending([fut], lambda v: v[0], self.timeout_s, "prompt_logprobs")
 
     def sleep(self, level: int = 1) -> None:

@@ -151,6 +151,8 @@ class Policy:
         else:
             raise ValueError(f"model backend {model_cfg.backend!r}; use 'torchtitan' or 'hf'")
         self.model, self.max_seq_len = self.backend.model, self.backend.max_seq_len
+        self._vision = getattr(self.backend, "vision", None)  # a vision-language model's image inputs, else None
+        self._with_images = False
         self.policy_version = 0
         self.num_micro_batches = 0  # forward_backward calls that succeeded since the last step (OptimParams)
         self.load_hf(model_dir)
@@ -207,6 +209,13 @@ class Policy:
         for i, d in enumerate(data if self.world_size > 1 else []):
             if np.min(d.tokens) < 0 or np.max(d.tokens) >= vocab:
                 raise ValueError(f"datum {i} has token ids outside [0, {vocab})")
+        # Whether this call runs the vision tower: the whole batch's verdict, the same on every rank.
+        self._with_images = any(d.images for d in data)
+        if self._with_images and self._vision is None:
+            raise ValueError(
+                f"the batch has images but the trainer's model ({self.model_dir}, {self.backend.name!r} backend) has "
+                "no vision tower; train a vision-language checkpoint with --model.backend hf"
+            )
         start = sum(split[: self.rank])
         local = data[start : start + split[self.rank]]
         if not local:
@@ -231,11 +240,34 @@ class Policy:
         """`[D, T]` logprobs of the targets of `local` (row i: datum i, as `collate` lays them out). Packed: the
         model runs on the packed rows and the result is gathered back into that layout, so everything after the
         forward (losses, aggregations, metrics, the per-datum rows returned) is the same code either way."""
+        if self._vision is not None and self._with_images:
+            return self._image_logprobs(local, temperature)
         if not self.pack_sequences or len(local) < 2 or any(d.positions is not None for d in local):
             return self._logprobs(tokens, temperature, collate_positions(local, self.device))
         packed, positions, index = pack_for_forward(local, self.pad_id, self.trainer_cfg.pack_row_len, self.device)
         rows = self._logprobs(packed, temperature, positions)  # [R, Lr - 1]
         return rows.reshape(-1)[index]
+
+    def _image_logprobs(self, local: list[Datum], temperature: float) -> torch.Tensor:
+        """`_target_logprobs` for a call with images: the rows, their per-document positions and pixel inputs from
+        the model's image processor (meshrl.models.vision), packed as text rows are."""
+        if any(d.positions is not None for d in local):
+            raise ValueError("Datum.positions (rows packed by the caller) cannot carry images; send unpacked Datums")
+        for i, d in enumerate(local):
+            self._vision.check(d.tokens, d.images or (), f"datum {i} on trainer rank {self.rank}")
+        if self.world_size > 1 and not any(d.images for d in local):
+            # FSDP gathers the vision tower's weights on every rank that runs it: a rank without images would not
+            # run it, and the others would wait for it forever.
+            raise ValueError(
+                f"trainer rank {self.rank} got no sequence with images in a call whose batch has some: with "
+                f"{self.world_size} ranks every rank's share needs an image (mix image and text-only rows so each "
+                "micro-batch has images on every rank, or train on one rank)"
+            )
+        pack = self.pack_sequences and len(local) > 1
+        batch = self._vision.pack(local, self.pad_id, row_len=self.trainer_cfg.pack_row_len, pack=pack,
+                                  device=self.device)  # fmt: skip
+        rows = self.backend.target_logprobs(batch.tokens, temperature, batch.positions, batch.pixels)
+        return rows.reshape(-1)[batch.index]
 
     def _packing_holds(self) -> bool:
         """Packed rows are only an optimisation if the model keeps documents apart. The backends mask attention

@@ -76,6 +76,10 @@ class Datum:
     advantage: float = 0.0
     ref_logprobs: Sequence[float] | None = None  # reference model's logprobs of the targets (for a KL term)
     positions: Sequence[int] | None = None  # per token (len(tokens)); restarts at 0 per packed document
+    # Encoded images (PNG, JPEG, ... bytes), in the order their image-token runs appear in `tokens` (which hold the
+    # expanded image tokens): the trainer's image processor makes the pixels (meshrl.models.vision). The samples of
+    # a group share one tuple, which pickle sends once per call.
+    images: tuple[bytes, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in ("tokens", "loss_mask", "old_logprobs", "ref_logprobs", "positions"):
@@ -102,6 +106,7 @@ class Datum:
             self.advantage,
             _packed(self.ref_logprobs, np.float64),
             _packed(self.positions, np.int64),
+            self.images,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -110,6 +115,10 @@ class Datum:
             return NotImplemented
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "images":
+                if tuple(a or ()) != tuple(b or ()):
+                    return False
+                continue
             if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
                 return False
         return True

@@ -27,6 +27,7 @@ from meshrl.generation.base import (
 from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
 from meshrl.models.hf_config import stop_token_ids
+from meshrl.models.vision import is_vision_checkpoint, placeholder_ids
 from meshrl.types import Completion, SamplingParams
 
 # These must be in the environment before vLLM is imported (and read), hence module level, and setdefault so
@@ -45,6 +46,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 WORKER_EXTENSION = "meshrl.generation.vllm_worker_ext.WeightUpdateExtension"
+_SUPPRESSED = -1.0e9  # the logit bias of a token the model may not write (exp underflows to 0 in any dtype)
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
 
 
@@ -179,6 +181,13 @@ class VLLMEngine:
         # Every request also stops at the checkpoint's eos ids (generation_config's, config's, the tokenizer's),
         # as the transformers engine does: without a tokenizer (skip_tokenizer_init) vLLM knows only some of them.
         self.eos_ids = frozenset(stop_token_ids(model_dir))
+        # A vision-language model never writes an image placeholder (the trainer would take a sampled one for an
+        # image slot): suppressed here, and left out of the trainer's distribution too (meshrl.models.vision).
+        self.placeholder_ids: tuple[int, ...] = ()
+        if is_vision_checkpoint(model_dir):
+            from transformers import AutoConfig
+
+            self.placeholder_ids = placeholder_ids(AutoConfig.from_pretrained(str(model_dir)))
         self._sleep_level = 0
         self._asleep: set[str] = set()  # vLLM memory tags still asleep: "weights", "kv_cache"
         self._weights_discarded = False  # level 2 until weights are loaded again
@@ -211,17 +220,24 @@ class VLLMEngine:
             seed=None if greedy else seed,
             logprobs=0,  # only the sampled token's logprob
             detokenize=False,
+            # Applied before the processed logprobs are taken: the sampled tokens' logprobs are those of the
+            # distribution without the placeholders, as the trainer's are.
+            logit_bias={t: _SUPPRESSED for t in self.placeholder_ids} or None,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        policy_version: int,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[list[Completion]]:
         """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
 
         temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
         sample j uses seed `params.seed + i * n + j`, so a call is reproducible and no two samples share
-        noise.
+        noise. `images`: per prompt, its encoded images (the prompt holds their expanded image tokens).
         """
-        from vllm.inputs import TokensPrompt
-
         prompts = check_prompts(prompts, params.max_tokens, self._max_model_len, self.vocab_size)
         if not prompts:
             return []
@@ -233,7 +249,7 @@ class VLLMEngine:
             self._vllm_params(params, n_req, None if params.seed is None else params.seed + i * params.n)
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False)
+        outputs = self.llm.generate(self._inputs(prompts, images), vparams, use_tqdm=False)
 
         results: list[list[Completion]] = []
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -270,15 +286,39 @@ class VLLMEngine:
             results.append(comps)
         return results
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def _inputs(self, prompts: list[list[int]], images: list[tuple[bytes, ...]] | None) -> list[Any]:
+        """vLLM's prompts: token ids, and a prompt's images as PIL images (`multi_modal_data`). The ids already
+        hold the expanded image tokens (meshrl.models.vision `expand`), which vLLM takes as they are."""
+        from vllm.inputs import TokensPrompt
+
+        if images is None or not any(images):
+            return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if not self.placeholder_ids:
+            raise ValueError(f"prompts with images, but {self.model_dir} is not a vision-language checkpoint")
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts; give one per prompt")
+        from meshrl.rollout.images import from_wire
+
+        out = []
+        for p, own in zip(prompts, images, strict=True):
+            prompt = TokensPrompt(prompt_token_ids=p)
+            if own:
+                prompt["multi_modal_data"] = {"image": [from_wire(b) for b in own]}
+            out.append(prompt)
+        return out
+
+    def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[list[float]]:
         """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1).
 
         Sequences may be up to `max_model_len` long. vLLM needs room for one generated token, so the engine
         is fed `seq[:-1]`: its prompt logprobs give positions 1 .. len-2 and the logprob of `seq[-1]` at the
-        first generated position (asked for with `logprob_token_ids`) gives the last one.
+        first generated position (asked for with `logprob_token_ids`) gives the last one. `images`: per sequence,
+        its encoded images. Prompt logprobs are vLLM's raw ones: with image placeholders they include the
+        placeholders' (tiny) share of the distribution, which the trainer leaves out.
         """
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         sequences = [[int(t) for t in s] for s in sequences]
         for i, s in enumerate(sequences):
@@ -305,7 +345,9 @@ class VLLMEngine:
             for i in todo
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=sequences[i][:-1]) for i in todo], vparams, use_tqdm=False
+            self._inputs([sequences[i][:-1] for i in todo], None if images is None else [images[i] for i in todo]),
+            vparams,
+            use_tqdm=False,
         )
         for i, out in zip(todo, outputs, strict=True):
             s = sequences[i]

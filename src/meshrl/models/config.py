@@ -42,6 +42,9 @@ class ModelConfig:
     """LoRA scaling numerator: the update is (lora_alpha / lora_rank) · B @ A."""
     lora_target_modules: str = "all-linear"
     """'all-linear' (every linear layer but the output head) or comma-separated module names, e.g. 'q_proj,v_proj'."""
+    freeze_vision: bool = False
+    """Vision-language models: keep the vision tower (and its projector into the language model) as the checkpoint
+    has it; only the language model trains. Off: every weight trains, and weight sync carries the vision weights."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("torchtitan", "hf"):

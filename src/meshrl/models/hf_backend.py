@@ -26,6 +26,7 @@ from meshrl.models import qwen3
 from meshrl.models.hf_config import max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
+from meshrl.models.vision import VisionInputs, is_vision_checkpoint
 
 if TYPE_CHECKING:
     from meshrl.models.config import ModelConfig, TrainerConfig
@@ -45,6 +46,35 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not lists:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard them")
     return list(max(lists, key=len))
+
+
+def checkpoint_names(model: nn.Module) -> dict[str, str]:
+    """State-dict name -> the name `save_pretrained` writes, where transformers renames (vision-language models keep
+    their checkpoints' older layout: `model.language_model.layers.0...` is saved as `model.layers.0...`, and
+    `model.visual...` as `visual...`). Exports then load in older loaders too, and the names are the checkpoint's,
+    as for every other model. Only renames are followed: a conversion that merges or splits tensors is refused."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions renames nothing
+        return {}
+    names = [k for k in model.state_dict()]
+    marks = {k: torch.empty(0) for k in names}
+    reverted = revert_weight_conversion(model, dict(marks))
+    by_id = {id(v): k for k, v in reverted.items()}
+    out = {}
+    for k, v in marks.items():
+        saved = by_id.get(id(v))
+        if saved is None:
+            raise ValueError(f"{type(model).__name__} converts {k!r} on saving beyond a rename; not supported")
+        if saved != k:
+            out[k] = saved
+    return out
+
+
+def is_vision_weight(name: str) -> bool:
+    """A weight of a vision-language model's vision tower or its projector (by the names transformers uses)."""
+    parts = name.split(".")
+    return any(p in ("visual", "vision_tower", "vision_model", "multi_modal_projector", "vision_embed") for p in parts)
 
 
 def init_non_persistent_buffers(model: nn.Module) -> None:
@@ -100,7 +130,7 @@ class HFBackend:
     def __init__(
         self, model_dir: str, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, *, device: torch.device
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         attn_backend, param_dtype, master_dtype = model_cfg.attn_backend, model_cfg.dtype, trainer_cfg.master_dtype
         lora, seed = model_cfg.lora_options(), model_cfg.seed
@@ -123,11 +153,18 @@ class HFBackend:
         with torch.device("meta"):
             # Master weights in `master_dtype` (fp32 by default); FSDP's mixed-precision policy casts to
             # `param_dtype` for compute.
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=_DTYPES[master_dtype], attn_implementation=_ATTN[attn_backend]
-            )
+            # A vision-language checkpoint (a `vision_config`) is an image-text-to-text model: its language model
+            # is the causal LM the trainer scores, its vision tower turns Datum.images into the image tokens.
+            auto = AutoModelForImageTextToText if is_vision_checkpoint(model_dir) else AutoModelForCausalLM
+            model = auto.from_config(config, dtype=_DTYPES[master_dtype], attn_implementation=_ATTN[attn_backend])
         model.config.use_cache = False
         self.base_model = model  # the transformers model (inside the peft wrapper when LoRA is on)
+        self.vision = VisionInputs.from_model_dir(model_dir, model)
+        self._checkpoint_names = checkpoint_names(model)
+        if self.vision is not None and model_cfg.freeze_vision:
+            for name, p in model.named_parameters():
+                if is_vision_weight(name):
+                    p.requires_grad_(False)
         self.lora_config = None
         if lora:
             from peft import LoraConfig, get_peft_model
@@ -151,6 +188,15 @@ class HFBackend:
             if logprob_chunk_size
             else None
         )
+        # A vision-language model's image placeholders are not tokens it may write (the generators never sample
+        # them: meshrl.generation, `placeholder_ids`), so the trainer's distribution leaves them out too, exactly.
+        self.suppress = None
+        if self.vision is not None:
+            width = self.base_model.get_output_embeddings().weight.shape[0]  # the logits' width (global shape)
+            self.suppress = torch.zeros(width, device=self.device)
+            self.suppress[list(self.vision.placeholder_ids)] = float("-inf")
+            if self.logprob_head is not None:
+                self.logprob_head.suppress = self.suppress
         self.model.eval()  # no dropout, ever: see `_no_dropout`
 
     # ---- dropout --------------------------------------------------------------------------------------------
@@ -218,30 +264,38 @@ class HFBackend:
         return layers
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, pixels: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         self._no_dropout()
         # Packed rows: transformers reads the documents from `position_ids` when no attention mask is given (a
         # position that does not follow its predecessor starts a document) and masks attention across them.
-        return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        # `pixels`: the image processor's tensors of the rows' images (meshrl.models.vision), in token order.
+        return self.model(input_ids=tokens, position_ids=positions, use_cache=False, **(pixels or {})).logits
 
     def target_logprobs(
-        self, tokens: torch.Tensor, temperature: float = 1.0, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        temperature: float = 1.0,
+        positions: torch.Tensor | None = None,
+        pixels: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0;
-        `positions`: per-document positions of packed rows."""
+        `positions`: per-document positions of packed rows; `pixels`: the rows' image inputs."""
         if self.logprob_head is None:
-            return target_logprobs(self.logits(tokens, positions), tokens, temperature)
+            return target_logprobs(self.logits(tokens, positions, pixels), tokens, temperature, self.suppress)
         with self.logprob_head.armed(tokens, temperature):
-            return self.logits(tokens, positions)  # the head returned logprobs
+            return self.logits(tokens, positions, pixels)  # the head returned logprobs
 
     # ---- names: our module's state-dict names <-> the HF checkpoint's names ---------------------------------
-    @staticmethod
-    def _hf_name(name: str) -> str:
-        """Module state-dict name -> checkpoint name (drops peft's and checkpoint_wrapper's prefixes)."""
+    def _hf_name(self, name: str) -> str:
+        """Module state-dict name -> checkpoint name (drops peft's and checkpoint_wrapper's prefixes; renames what
+        transformers renames on saving, e.g. Qwen2.5-VL's `model.language_model.` -> `model.`)."""
         for prefix in ("base_model.model.",):
             if name.startswith(prefix):
                 name = name[len(prefix) :]
-        return name.replace("._checkpoint_wrapped_module", "").replace(".base_layer.", ".")
+        name = name.replace("._checkpoint_wrapped_module", "").replace(".base_layer.", ".")
+        return self._checkpoint_names.get(name, name)
 
     def _is_adapter(self, name: str) -> bool:
         return self.lora_config is not None and (".lora_" in name or "modules_to_save" in name)

@@ -26,9 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def target_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens[:, i+1] | tokens[:, :i+1]) in float32, shape [B, L-1] (the plain, full-logits path)."""
+def target_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, suppress: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) in float32, shape [B, L-1] (the plain, full-logits path).
+    `suppress`: `[V]`, added to the logits (-inf at tokens the model may not write, 0 elsewhere)."""
     logits = logits[:, :-1].float()
+    if suppress is not None:
+        logits = logits + suppress.float()
     if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
@@ -228,16 +233,20 @@ class LogprobHead:
         self.keep_logits = bool(keep_logits)
         self._targets: torch.Tensor | None = None
         self._temperature = 1.0
+        self.suppress: torch.Tensor | None = None  # [V]: -inf at tokens the model may not write (a logit bias)
         plain = linear.forward
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             if self._targets is None:
                 return plain(hidden)
+            bias = getattr(linear, "bias", None)
+            if self.suppress is not None:
+                bias = self.suppress.to(linear.weight.dtype) if bias is None else bias + self.suppress.to(bias.dtype)
             # hidden [B, L, H] for every position; position i predicts targets[:, i] = tokens[:, i + 1].
             return chunked_linear_logprobs(
                 hidden[:, :-1],
                 linear.weight,
-                getattr(linear, "bias", None),
+                bias,
                 self._targets,
                 temperature=self._temperature,
                 chunk_size=self.chunk_size,

@@ -39,8 +39,16 @@ class EpisodeRenderer:
     def opening(self, row: Row, opening: Sequence[dict] | None) -> tuple[list[dict[str, Any]], list[int]]:
         """(messages, prompt ids) of turn 1: the environment's opening messages, else the row's prompt (with the
         configured system prompt either way)."""
-        start = row if opening is None else Row(list(opening), row.answer, row.info)
+        start = self._opening_row(row, opening)
         return self.renderer.messages(start), self.renderer.prompt_ids(start)
+
+    def opening_images(self, row: Row, opening: Sequence[dict] | None) -> tuple[bytes, ...]:
+        """The encoded images of turn 1's prompt (`opening`'s), in the order of their image tokens."""
+        return self.renderer.prompt_images(self._opening_row(row, opening))
+
+    @staticmethod
+    def _opening_row(row: Row, opening: Sequence[dict] | None) -> Row:
+        return row if opening is None else Row(list(opening), row.answer, row.info)
 
     def bridge_ids(
         self, messages: Sequence[dict[str, Any]], observation: Sequence[dict[str, Any]], completion_ids: Sequence[int]
@@ -48,6 +56,13 @@ class EpisodeRenderer:
         """The ids that follow the model's last message (the last of `messages`, whose tokens `completion_ids`
         already are) up to the next generation prompt: the end of the model's turn (unless the model wrote it, as
         its stop token), the observation messages, and the header of the next assistant turn."""
+        from meshrl.rollout.images import image_parts
+
+        if image_parts(observation):
+            raise ValueError(
+                "an observation with images: only the opening prompt of an episode may hold images (the images of "
+                "later turns are not rendered yet); describe the observation in text"
+            )
         if not self.renderer.use_chat_template:
             # Plain text: the observation on its own lines, then the model goes on.
             text = "\n" + "\n".join(str(m.get("content", "")) for m in observation) + "\n"
@@ -102,6 +117,7 @@ class EpisodeTokens:
     logprobs: list[float] = field(default_factory=list)  # per token: the sampling logprob (0 where not sampled)
     turn_starts: list[int] = field(default_factory=list)  # index of each model turn's first token
     policy_versions: set[int] = field(default_factory=set)
+    images: tuple[bytes, ...] = ()  # encoded images, in the order of their image tokens (a vision-language model)
 
     def add_context(self, ids: Sequence[int]) -> None:
         self.tokens += ids
@@ -141,7 +157,7 @@ class EpisodeTokens:
             raise ValueError("an episode needs at least 2 tokens to train on")
         mask = np.asarray(self.model_mask[1:], dtype=np.float64)
         old = np.asarray(self.logprobs[1:], dtype=np.float64) if with_logprobs else None
-        return Datum(tokens, mask, old, advantage)
+        return Datum(tokens, mask, old, advantage, images=self.images or None)
 
 
 @dataclass

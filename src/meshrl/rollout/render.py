@@ -6,6 +6,11 @@
 
 Done once, in the controller: the generators and trainers see token ids only (token-in / token-out), and a task
 never tokenizes, so the same task trains any checkpoint with its own tokenizer, chat template and stop tokens.
+
+Images (a vision-language checkpoint): a row's image parts ({"type": "image", "image": ...} in its messages) are
+rendered by the chat template as one placeholder each, which `prompt_ids` repeats as many times as the image has
+tokens (the model's image processor says how many: meshrl.models.vision); `prompt_images` gives the encoded images
+that travel with the ids, in the same order. The pixels are made where the model runs.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.errors import ConfigError
 from meshrl.rollout.row import Row
+
+if TYPE_CHECKING:
+    from meshrl.models.vision import VisionInputs
 
 
 @dataclass
@@ -41,8 +49,16 @@ class RenderConfig:
 class Renderer:
     """The model's tokenizer, applied the same way to every prompt of a run."""
 
-    def __init__(self, tokenizer: Any, cfg: RenderConfig | None = None, *, stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        cfg: RenderConfig | None = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        vision: VisionInputs | None = None,
+    ) -> None:
         self.tokenizer, self.cfg = tokenizer, cfg or RenderConfig()
+        self.vision = vision  # a vision-language model's image token counts (None: text only)
         has_template = getattr(tokenizer, "chat_template", None) is not None
         if self.cfg.chat_template == "on" and not has_template:
             raise ConfigError(
@@ -67,8 +83,11 @@ class Renderer:
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         from meshrl.models.hf_config import stop_token_ids
+        from meshrl.models.vision import VisionInputs
 
-        return cls(tokenizer, cfg, stop_token_ids=stop_token_ids(model_dir))
+        return cls(
+            tokenizer, cfg, stop_token_ids=stop_token_ids(model_dir), vision=VisionInputs.from_model_dir(model_dir)
+        )
 
     def messages(self, row: Row) -> list[dict[str, Any]]:
         """The row as chat messages, with the configured system prompt."""
@@ -102,7 +121,27 @@ class Renderer:
         ids = self.encode(self.prompt_text(row))
         if not ids:
             raise ValueError("the prompt renders to no tokens")
+        images = self.prompt_images(row)
+        if images:
+            ids = self.vision.expand(ids, images)
         return ids
+
+    def prompt_images(self, row: Row) -> tuple[bytes, ...]:
+        """The row's images as encoded bytes, in the order the model sees them (empty for a text-only row). The
+        same bytes objects every call (a resolved row holds them), so the samples of a group share them."""
+        from meshrl.rollout.images import row_images, wire_image
+
+        found = row_images(row)
+        if not found:
+            return ()
+        if self.vision is None:
+            raise ValueError(
+                f"the row has {len(found)} image(s) but the model has no vision tower (its config.json has no "
+                "vision_config); train a vision-language checkpoint, or give text-only rows"
+            )
+        if not self.use_chat_template:
+            raise ValueError("a row with images needs the model's chat template (render.chat_template is 'off')")
+        return tuple(wire_image(image, where="the row's image").data for image in found)
 
     def demonstration_ids(self, row: Row, response: str) -> tuple[list[int], list[int]]:
         """(prompt ids, response ids ending in EOS): what a supervised warm-up trains on, shaped exactly like a

@@ -37,7 +37,9 @@ from meshrl.rollout.row import Row
 from meshrl.types import Completion, SamplingParams
 
 # (prompts, sampling) -> one completion per prompt (n = 1), in order. May block: it runs in a worker thread.
-GenerateFn = Callable[[list[list[int]], SamplingParams], list[Completion]]
+GenerateFn = Callable[..., list[Completion]]
+"""generate(prompts, params) -> one completion per prompt; generate(prompts, params, images) where some episode's
+prompt has images (per prompt, its encoded images)."""
 
 
 @dataclass
@@ -151,13 +153,13 @@ class _Cohort:
 
     def __init__(self, index: int, size: int, send: Callable[[int, int, list], Awaitable[None]]) -> None:
         self.index, self.live, self.send = index, size, send
-        self.waiting: list[tuple[int, list[int], int, asyncio.Future]] = []
+        self.waiting: list[tuple[int, list[int], int, tuple[bytes, ...], asyncio.Future]] = []
         self.turn = 0
         self.sending: set[asyncio.Task] = set()  # the event loop holds tasks weakly: keep them until done
 
-    def request(self, episode: int, ids: list[int], max_tokens: int) -> asyncio.Future:
+    def request(self, episode: int, ids: list[int], max_tokens: int, images: tuple[bytes, ...] = ()) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((episode, ids, max_tokens, fut))
+        self.waiting.append((episode, ids, max_tokens, images, fut))
         self._maybe_send()
         return fut
 
@@ -218,10 +220,12 @@ class EpisodeRunner:
             for k, (budget, items) in enumerate(sorted(by_budget.items())):
                 call_seed = random.Random(f"{seed}/{cohort}/{turn}/{k}").getrandbits(32)
                 params = dataclasses.replace(sampling, n=1, max_tokens=budget, seed=call_seed)
-                prompts = [ids for _, ids, _, _ in items]
+                prompts = [ids for _, ids, _, _, _ in items]
+                images = [im for _, _, _, im, _ in items]
+                with_images = (images,) if any(images) else ()
                 try:
                     results = await asyncio.get_running_loop().run_in_executor(
-                        gen_executor, self.generate, prompts, params
+                        gen_executor, self.generate, prompts, params, *with_images
                     )
                 except BaseException as e:  # noqa: BLE001 - every waiting episode gets the generator's error
                     for *_, fut in items:
@@ -263,8 +267,9 @@ class EpisodeRunner:
             if not demo:
                 return None
             opening = await self._call(env, "reset", row, 0)
-            messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
-            tokens = EpisodeTokens()
+            opening = None if opening is None else as_messages(opening)
+            messages, ids = self.renderer.opening(row, opening)
+            tokens = EpisodeTokens(images=self.renderer.opening_images(row, opening))
             tokens.add_context(ids)
             for turn, text in enumerate(demo[: self.limits.max_turns]):
                 turn_ids = self.renderer.scripted_turn_ids(text)
@@ -310,7 +315,9 @@ class EpisodeRunner:
                 await self._call(env, "__init__")
                 episode_seed = random.Random(f"{seed}/env/{index}").getrandbits(32)
                 opening = await self._call(env, "reset", row, episode_seed)
-                messages, ids = self.renderer.opening(row, None if opening is None else as_messages(opening))
+                opening = None if opening is None else as_messages(opening)
+                messages, ids = self.renderer.opening(row, opening)
+                tokens.images = self.renderer.opening_images(row, opening)
             except _EnvFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - a bad opening (unrenderable messages) is the environment's
@@ -323,7 +330,7 @@ class EpisodeRunner:
                 if budget < 1:
                     finish = "max_tokens"
                     break
-                completion = await cohort.request(index, list(tokens.tokens), budget)
+                completion = await cohort.request(index, list(tokens.tokens), budget, tokens.images)
                 tokens.add_completion(completion)
                 text = self.renderer.renderer.completion_text(completion.token_ids)
                 messages.append({"role": "assistant", "content": text})
@@ -357,6 +364,7 @@ class EpisodeRunner:
             if not tokens.tokens:  # failed before its opening: the row's prompt, no model token (nothing to learn)
                 messages, ids = self.renderer.opening(row, None)
                 tokens.add_context(ids)
+                tokens.images = self.renderer.opening_images(row, None)
         finally:
             cohort.finished()
             if env is not None:

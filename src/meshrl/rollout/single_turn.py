@@ -28,10 +28,10 @@ class SingleTurnEnv(Environment):
         return StepResult(done=True)
 
     @staticmethod
-    def episode_of(row: Row, completion: Completion, text: str) -> Episode:
-        """The one-turn episode of `completion` (sampled from the rendered `row`) whose decoded answer is `text`;
-        unscored (reward 0 until the rubric scores it)."""
-        tokens = EpisodeTokens()
+    def episode_of(row: Row, completion: Completion, text: str, images: tuple[bytes, ...] = ()) -> Episode:
+        """The one-turn episode of `completion` (sampled from the rendered `row`, with its `images`) whose decoded
+        answer is `text`; unscored (reward 0 until the rubric scores it)."""
+        tokens = EpisodeTokens(images=images)
         tokens.add_context(completion.prompt_ids)
         tokens.add_completion(completion)
         outcome = EpisodeOutcome(

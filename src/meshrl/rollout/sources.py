@@ -63,7 +63,9 @@ class SingleTurnRollout:
                *, version: int | None = None, background: bool = False) -> Round:  # fmt: skip
         """Send the round's generation (returns at once); `params.n` samples per prompt, seeded with `seed`."""
         params = dataclasses.replace(params, seed=seed)
-        pending = ctl.generate([split.prompt_ids[i] for i in picks], params)
+        images = split.images_of(picks)
+        prompts = [split.prompt_ids[i] for i in picks]
+        pending = ctl.generate(prompts, params) if images is None else ctl.generate(prompts, params, images=images)
         return self._round(split, picks, seed, pending.result)
 
     def _round(self, split: Any, picks: list[int], seed: int | None, groups: Callable) -> Round:
@@ -74,7 +76,11 @@ class SingleTurnRollout:
             flat = [c for group in completions for c in group]
             texts = self.setup.renderer.completion_texts([c.token_ids for c in flat])
             rows = [split.rows[picks[i]] for i, group in enumerate(completions) for _ in group]
-            return [SingleTurnEnv.episode_of(r, c, t) for r, c, t in zip(rows, flat, texts, strict=True)]
+            images = split.images_of(picks) or [()] * len(picks)
+            per_sample = [images[i] for i, group in enumerate(completions) for _ in group]
+            return [
+                SingleTurnEnv.episode_of(r, c, t, im) for r, c, t, im in zip(rows, flat, texts, per_sample, strict=True)
+            ]
 
         def state() -> dict[str, Any]:
             return {"groups": [[_completion_state(c) for c in group] for group in completions]}
@@ -131,8 +137,9 @@ class EnvRollout:
         self.envs = cfg.processes()
 
     def runner(self, ctl: Any, limits: EpisodeLimits | None = None, version: int | None = None) -> EpisodeRunner:
-        def generate(prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-            return ctl.complete(prompts, params) if version is None else ctl.complete(prompts, params, version=version)
+        def generate(prompts: list[list[int]], params: SamplingParams, *images: Any) -> list[Completion]:
+            pinned = {} if version is None else {"version": version}
+            return ctl.complete(prompts, params, **pinned, **({"images": images[0]} if images else {}))
 
         return EpisodeRunner(
             self.make_env, self.renderer, generate, limits or self.limits,

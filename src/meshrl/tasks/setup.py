@@ -110,6 +110,12 @@ class PromptSet:
     skipped: int = 0  # prompts with characters outside the tokenizer's vocabulary (on_bad_row="skip")
     untokenised: int = 0  # of the dropped, those over `char_cap` characters: dropped before tokenising
     char_cap: int = 0  # characters past which a prompt cannot fit the budget (meshrl.data.lengths)
+    images: list[tuple[bytes, ...]] = field(default_factory=list)  # per row: its encoded images (() for none)
+
+    def images_of(self, picks: Sequence[int]) -> list[tuple[bytes, ...]] | None:
+        """The images of the rows `picks`, None when none has any (a text-only call)."""
+        out = [self.images[i] for i in picks] if self.images else []
+        return out if any(out) else None
 
     @classmethod
     def render(
@@ -123,6 +129,7 @@ class PromptSet:
         made = budget if isinstance(budget, PromptBudget) else None
         budget = made.tokens if made is not None else budget
         kept, ids, dropped, lengths, skipped, untokenised = [], [], 0, [], 0, 0
+        images: list[tuple[bytes, ...]] = []
         unk_id = getattr(renderer.tokenizer, "unk_token_id", None)
         cap = char_cap(renderer.tokenizer, budget)
         for i, row in enumerate(rows):
@@ -146,9 +153,10 @@ class PromptSet:
                 continue
             kept.append(row)
             ids.append(prompt)
+            images.append(renderer.prompt_images(row))
         shortest, longest = (min(lengths), max(lengths)) if lengths else (0, 0)
         split = cls(kept, ids, [r.verifier_view() for r in kept], dropped, budget, shortest, longest, made, skipped)
-        split.untokenised, split.char_cap = untokenised, cap
+        split.untokenised, split.char_cap, split.images = untokenised, cap, images
         if not kept and not dropped:
             raise ConfigError(
                 f"every one of the {len(rows)} {what} prompts has characters outside the tokenizer's vocabulary: is "

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from meshrl.errors import ConfigError
 from meshrl.generation.base import DTYPES, check_prompts, check_sleep_level, check_tokens, process_memory
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.transformers_engine.model_runner import ModelRunner
@@ -60,6 +61,16 @@ class TransformersEngine:
             raise FileNotFoundError(
                 f"{model_dir!r} has no config.json; TransformersEngine needs an HF-format model directory "
                 "(config.json + *.safetensors), e.g. written by save_pretrained"
+            )
+        from meshrl.models.vision import is_vision_checkpoint
+
+        if is_vision_checkpoint(model_dir):
+            # Its paged KV cache and CUDA-graph decode are built around a causal LM's forward; a vision-language
+            # model's prefill needs the image features scattered into the prompt and its 3-D rotary positions
+            # carried into decode, which this engine does not do. Refused here, before any weight is loaded.
+            raise ConfigError(
+                f"{model_dir} is a vision-language model (its config.json has a vision_config): the transformers "
+                "engine generates from text-only models; use --generator.engine vllm"
             )
         self.config = dataclasses.replace(config or TransformersEngineConfig(), **overrides)
         self.model_dir, self.dtype, self.torch_dtype = model_dir, dtype, DTYPES[dtype]
