@@ -64,13 +64,22 @@ def load_data(
             return [task_row(r) for r in task_rows]
         return source
 
+    from meshrl.models.vision import VisionInputs
+
+    kw["vision"] = VisionInputs.from_model_dir(model_dir)  # None for a text-only model
     train = load_sft_dataset(rows(d.train, train_rows, task.train if task else None), tokenizer, **kw)
     eval_source = rows(d.eval, eval_rows, task.eval if task else None)
     return train, (load_sft_dataset(eval_source, tokenizer, **kw) if eval_source is not None else None)
 
 
 def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
-    return [Datum.from_completion(dataset.examples[i].prompt_ids, dataset.examples[i].response_ids) for i in indices]
+    out = []
+    for i in indices:
+        ex = dataset.examples[i]
+        datum = Datum.from_completion(ex.prompt_ids, ex.response_ids)
+        datum.images = ex.images or None
+        out.append(datum)
+    return out
 
 
 def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:

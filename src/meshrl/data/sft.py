@@ -31,6 +31,7 @@ from meshrl.tokenizer import unknown_characters
 class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]  # ends with EOS
+    images: tuple[bytes, ...] = ()  # the prompt's encoded images, in the order of its image tokens
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -83,13 +84,18 @@ def tokenize_row(
     response_field: str,
     messages_field: str,
     roles: Collection[str] | None = None,
+    vision: Any = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> SFTExample:
     """One row -> SFTExample, or BadRowError saying what is wrong with it. `tokenizer` is a transformers one; `roles`:
-    the chat roles messages may have (default: those the tokenizer's chat template knows, meshrl.data.roles)."""
+    the chat roles messages may have (default: those the tokenizer's chat template knows, meshrl.data.roles).
+    `vision` (meshrl.models.vision.VisionInputs of a vision-language model): the prompt's image parts ({"type":
+    "image", "image": ...}, read against `base_dir`) become its images, each placeholder expanded to its tokens."""
     if isinstance(row, BadRowError):
         raise row
     if not isinstance(row, dict):
         raise BadRowError(f"row is {type(row).__name__}, expected an object")
+    images: tuple[bytes, ...] = ()
     if messages_field in row:
         messages = row[messages_field]
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -106,6 +112,9 @@ def tokenize_row(
         if full_ids[: len(prompt_ids)] != prompt_ids:
             raise BadRowError("the chat template does not render the prompt as a prefix of the conversation")
         response_ids = full_ids[len(prompt_ids) :]
+        images = _prompt_images(messages[:-1], vision, base_dir)
+        if images:
+            prompt_ids = vision.expand(prompt_ids, images, "the row's prompt")
     else:
         prompt, response_text = _text(row, prompt_field), _text(row, response_field)
         _check_response(response_text)
@@ -115,7 +124,30 @@ def tokenize_row(
     eos = tokenizer.eos_token_id
     if not response_ids or response_ids[-1] != eos:
         response_ids = list(response_ids) + [eos]
-    return SFTExample(list(prompt_ids), list(response_ids))
+    return SFTExample(list(prompt_ids), list(response_ids), images)
+
+
+def _prompt_images(messages: list[dict], vision: Any, base_dir: str | os.PathLike | None) -> tuple[bytes, ...]:
+    """The encoded images of a chat prompt's image parts (BadRowError for a bad one, or for images a text-only
+    model would be given)."""
+    from meshrl.rollout.images import BadImageError, image_parts, wire_image
+
+    parts = image_parts(messages)
+    if not parts:
+        return ()
+    if vision is None:
+        raise BadRowError(
+            f"the row has {len(parts)} image(s) but the model has no vision tower (its config.json has no "
+            "vision_config); train a vision-language checkpoint, or give text-only rows",
+            reason="images for a text-only model",
+        )
+    try:
+        return tuple(
+            wire_image(p.get("image"), base_dir=base_dir, where=f"image {k + 1} of {len(parts)}").data
+            for k, p in enumerate(parts)
+        )
+    except BadImageError as e:
+        raise BadRowError(str(e), reason=e.reason) from None
 
 
 def _row_chars(row: Any, fields: tuple[str, ...]) -> int:
@@ -131,7 +163,10 @@ def load_sft_dataset(
     prompt_field: str = "prompt",
     response_field: str = "response",
     messages_field: str = "messages",
+    vision: Any = None,
 ) -> SFTDataset:
+    """`vision`: a vision-language model's image token counts (meshrl.models.vision.VisionInputs); rows' image
+    parts are then read (relative paths against the data file's directory) and travel with their examples."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row={on_bad_row!r}; use 'error' or 'skip'")
     name = source_name(source)
@@ -161,6 +196,8 @@ def load_sft_dataset(
                 response_field=response_field,
                 messages_field=messages_field,
                 roles=roles,
+                vision=vision,
+                base_dir=os.path.dirname(os.path.abspath(source)) if isinstance(source, str | os.PathLike) else None,
             )
             if len(ex) > max_seq_len:
                 raise BadRowError(
@@ -195,6 +232,11 @@ def pack_examples(examples: list[SFTExample], max_len: int) -> list:
 
     for ex in examples:
         n = len(ex)
+        if ex.images:
+            raise ConfigError(
+                "--data.pack with image rows: the rows packed here cannot carry images; leave --data.pack off (the "
+                "trainer packs sequences itself, images included: --trainer.pack-sequences)"
+            )
         if n > max_len:
             raise ValueError(f"an example of {n} tokens does not fit in packed rows of {max_len}")
         if len(tokens) + n > max_len:
