@@ -4,6 +4,10 @@ chat template, all trained / built here (no downloads), for trying meshrl's CLI 
     python scripts/make_tiny_checkpoint.py --arch llama --out ckpt/llama-tiny
     python -m meshrl.controller.grpo --model.path ckpt/llama-tiny --model.backend hf ...
 
+`--arch qwen2_5_vl` / `--arch qwen3_vl` make a vision-language checkpoint instead (meshrl.models.tiny_vlm): the
+family's chat template and processor files beside the model and tokenizer (`--dropout` and `--no-chat-template`
+do not apply to them).
+
 `--texts FILE.jsonl` trains the tokenizer on your own texts (one JSON object per line with a "text" field, or
 "prompt"/"completion"/"messages" fields, or one JSON string per line); without it, a built-in corpus of English
 words, numbers, arithmetic and symbols.
@@ -46,9 +50,10 @@ def read_texts(path: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> Path:
     from meshrl.models.tiny_hf import ARCHS
+    from meshrl.models.tiny_vlm import VLM_ARCHS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--arch", choices=ARCHS, default="qwen3", help="model architecture (default: qwen3)")
+    p.add_argument("--arch", choices=ARCHS + VLM_ARCHS, default="qwen3", help="model architecture (default: qwen3)")
     p.add_argument("--out", type=Path, required=True, help="output directory (replaced if it exists)")
     p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size, >= 262 (default: 512)")
     p.add_argument("--texts", type=Path, default=None, help="JSONL file of texts to train the tokenizer on")
@@ -63,6 +68,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--no-chat-template", action="store_true", help="plain-text tokenizer (eos <|endoftext|>)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.arch in VLM_ARCHS:
+        if args.no_chat_template or args.dropout:
+            p.error(f"--no-chat-template and --dropout do not apply to --arch {args.arch}")
+        return _vision_language(args)
 
     from meshrl.models.tiny_hf import create_tiny_chat_model
     from meshrl.tokenizer import CHATML_TEMPLATE
@@ -88,6 +97,31 @@ def main(argv: list[str] | None = None) -> Path:
 
     tok = AutoTokenizer.from_pretrained(out)
     print(f"wrote a tiny {args.arch} checkpoint ({len(tok)} tokens, eos {tok.eos_token!r}) to {out}")
+    return out
+
+
+def _vision_language(args: argparse.Namespace) -> Path:
+    from meshrl.models.tiny_vlm import create_tiny_vlm
+
+    try:
+        out = create_tiny_vlm(
+            args.out,
+            args.arch,
+            vocab_size=args.vocab_size,
+            texts=read_texts(args.texts) if args.texts else None,
+            seed=args.seed,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    print(f"wrote a tiny {args.arch} vision-language checkpoint ({len(tok)} tokens, eos {tok.eos_token!r}) to {out}")
     return out
 
 
