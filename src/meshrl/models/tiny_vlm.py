@@ -20,14 +20,17 @@ vLLM takes a token prompt with ONE placeholder per image — the chat template's
 processor's `input_ids`). It does not recognise an already expanded prompt: given the processor's `input_ids` it
 expands the first image token again and treats the rest as text, silently (vLLM 0.32).
 
-Why these two families: both run in the installed transformers (5.19) and vLLM (0.32, CPU), and Qwen3-VL (the brief's
-first choice besides the mandatory Qwen2.5-VL) agrees with transformers to fp32 rounding there, like Qwen2.5-VL.
-LLaVA (llama + CLIP) also ran, but transformers 5.19 saves its CLIP tower without the `vision_model.` prefix that
-hub checkpoints (and vLLM's loader) have, so it needs its keys rewritten after `save_pretrained`; Gemma 3 was not
-needed. Caveat for this CPU machine: every vLLM vision-language model, and the Qwen processors in transformers
-(which require a video processor), import torchvision; the only torchvision that installs here is the PyPI (CUDA)
-build, whose `import` fails against the CPU torch (see tests/test_vlm_models.py). Without torchvision, the checkpoint
-is still made, its image processor (the PIL backend) and the transformers model work; the processor and vLLM do not.
+Why Qwen3-VL as the second family: it is the other Qwen-VL generation the RL recipes train, both the installed
+transformers (5.19) and vLLM (0.32, CPU) have it, and it matched transformers like Qwen2.5-VL does (fp32 logprobs
+within 4e-6 over the whole vocabulary, prompt and greedy tokens, tests/test_vlm_models.py). LLaVA (llama + CLIP) ran
+too (5e-7 at transformers' default init, as did the Qwen families), but transformers 5.19 saves its CLIP tower
+without the `vision_model.` key prefix that hub checkpoints have and vLLM's loader requires, so its safetensors keys
+would need rewriting after `save_pretrained`; Gemma 3 was not tried.
+
+torchvision: every vLLM vision-language model, and the Qwen-VL processors of transformers (they require a video
+processor), import it. The only torchvision this CPU machine can install is PyPI's CUDA build, whose import fails
+against the CPU torch. Without it the checkpoint is still made, and its image processor (PIL backend) and the
+transformers model work; `AutoProcessor` and vLLM do not.
 """
 
 from __future__ import annotations
