@@ -27,7 +27,7 @@ from meshrl.generation.base import (
 from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
 from meshrl.models.hf_config import stop_token_ids
-from meshrl.models.vision import is_vision_checkpoint, placeholder_ids
+from meshrl.models.vision import image_token_id, is_vision_checkpoint, placeholder_ids
 from meshrl.types import Completion, SamplingParams
 
 # These must be in the environment before vLLM is imported (and read), hence module level, and setdefault so
@@ -46,6 +46,13 @@ if not torch.cuda.is_available():
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 WORKER_EXTENSION = "meshrl.generation.vllm_worker_ext.WeightUpdateExtension"
+
+
+def collapse_runs(ids: list[int], token: int | None) -> list[int]:
+    """`ids` with every run of `token` shortened to one (expanded image placeholders -> one per image)."""
+    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
+
+
 _SUPPRESSED = -1.0e9  # the logit bias of a token the model may not write (exp underflows to 0 in any dtype)
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
 
@@ -147,6 +154,7 @@ class VLLMEngine:
         self.dtype = dtype
         self.torch_dtype = DTYPES[dtype]
         chunked = cfg.enable_chunked_prefill
+        vision = is_vision_checkpoint(model_dir)
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -170,7 +178,9 @@ class VLLMEngine:
                 if cfg.max_num_batched_tokens is not None or chunked
                 else max(4096, max_model_len)
             ),
-            skip_tokenizer_init=True,  # token ids in and out; no detokenisation
+            # Token ids in and out; no detokenisation. A vision-language model's multimodal processor needs the
+            # tokenizer (vLLM refuses to build it without one); outputs are still not detokenised (detokenize=False).
+            skip_tokenizer_init=not vision,
             logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
@@ -184,10 +194,12 @@ class VLLMEngine:
         # A vision-language model never writes an image placeholder (the trainer would take a sampled one for an
         # image slot): suppressed here, and left out of the trainer's distribution too (meshrl.models.vision).
         self.placeholder_ids: tuple[int, ...] = ()
-        if is_vision_checkpoint(model_dir):
+        self.image_token_id: int | None = None
+        if vision:
             from transformers import AutoConfig
 
-            self.placeholder_ids = placeholder_ids(AutoConfig.from_pretrained(str(model_dir)))
+            config = AutoConfig.from_pretrained(str(model_dir))
+            self.placeholder_ids, self.image_token_id = placeholder_ids(config), image_token_id(config)
         self._sleep_level = 0
         self._asleep: set[str] = set()  # vLLM memory tags still asleep: "weights", "kv_cache"
         self._weights_discarded = False  # level 2 until weights are loaded again
@@ -287,8 +299,11 @@ class VLLMEngine:
         return results
 
     def _inputs(self, prompts: list[list[int]], images: list[tuple[bytes, ...]] | None) -> list[Any]:
-        """vLLM's prompts: token ids, and a prompt's images as PIL images (`multi_modal_data`). The ids already
-        hold the expanded image tokens (meshrl.models.vision `expand`), which vLLM takes as they are."""
+        """vLLM's prompts: token ids, and a prompt's images as PIL images (`multi_modal_data`). Our ids hold the
+        expanded image tokens (meshrl.models.vision `expand`: what the trainer sees); vLLM wants one placeholder per
+        image and expands them itself (given expanded ones, vLLM 0.32 expands the first run again and reads the
+        rest as text, silently: measured), so each run is collapsed to one here. Its expansion equals ours (the
+        same image processor: tests/test_vlm_models.py)."""
         from vllm.inputs import TokensPrompt
 
         if images is None or not any(images):
@@ -301,7 +316,7 @@ class VLLMEngine:
 
         out = []
         for p, own in zip(prompts, images, strict=True):
-            prompt = TokensPrompt(prompt_token_ids=p)
+            prompt = TokensPrompt(prompt_token_ids=collapse_runs(p, self.image_token_id) if own else p)
             if own:
                 prompt["multi_modal_data"] = {"image": [from_wire(b) for b in own]}
             out.append(prompt)
