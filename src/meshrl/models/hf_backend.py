@@ -195,6 +195,7 @@ class HFBackend:
             width = self.base_model.get_output_embeddings().weight.shape[0]  # the logits' width (global shape)
             self.suppress = torch.zeros(width, device=self.device)
             self.suppress[list(self.vision.placeholder_ids)] = float("-inf")
+            self._placeholders = torch.tensor(self.vision.placeholder_ids, device=self.device)
             if self.logprob_head is not None:
                 self.logprob_head.suppress = self.suppress
         self.model.eval()  # no dropout, ever: see `_no_dropout`
@@ -283,9 +284,16 @@ class HFBackend:
         """log p(tokens[:, i+1] | tokens[:, :i+1]), float32 `[B, L-1]`, chunked when `logprob_chunk_size` > 0;
         `positions`: per-document positions of packed rows; `pixels`: the rows' image inputs."""
         if self.logprob_head is None:
-            return target_logprobs(self.logits(tokens, positions, pixels), tokens, temperature, self.suppress)
-        with self.logprob_head.armed(tokens, temperature):
-            return self.logits(tokens, positions, pixels)  # the head returned logprobs
+            out = target_logprobs(self.logits(tokens, positions, pixels), tokens, temperature, self.suppress)
+        else:
+            with self.logprob_head.armed(tokens, temperature):
+                out = self.logits(tokens, positions, pixels)  # the head returned logprobs
+        if self.suppress is not None:
+            # An image token as a target (in a prompt: its loss mask is 0) has log p = -inf once suppressed, and
+            # -inf · 0 is NaN in the masked sums: it is given 0 instead, as every other masked target is.
+            placeholder = torch.isin(tokens[:, 1:], self._placeholders)
+            out = out.masked_fill(placeholder, 0.0)
+        return out
 
     # ---- names: our module's state-dict names <-> the HF checkpoint's names ---------------------------------
     def _hf_name(self, name: str) -> str:
