@@ -216,6 +216,11 @@ class Policy:
                 f"the batch has images but the trainer's model ({self.model_dir}, {self.backend.name!r} backend) has "
                 "no vision tower; train a vision-language checkpoint with --model.backend hf"
             )
+        if self._vision is not None and not self._with_images:
+            image_id = self._vision.image_token_id
+            for i, d in enumerate(data):
+                if np.any(np.asarray(d.tokens) == image_id):
+                    raise ValueError(f"datum {i} has image tokens but no images (Datum.images); send its images")
         start = sum(split[: self.rank])
         local = data[start : start + split[self.rank]]
         if not local:
