@@ -16,7 +16,12 @@ def task_demonstrations(setup: TaskSetup, cfg, max_len: int) -> list[Datum]:
     """The task's reference answers as cross-entropy sequences (those that fit in `max_len` tokens with their
     prompt), checked to fill a warm-up batch (`cfg`: the WarmupConfig). Cheap: no process is needed, so the programs
     call it before they start any (a batch the rows cannot fill is refused then, not after the processes are up)."""
-    demos = [Datum.from_completion(*pair) for pair in setup.demonstrations(max_len)[1]]
+    keep, pairs = setup.demonstrations(max_len)
+    images = setup.train.images_of(keep)
+    demos = [Datum.from_completion(*pair) for pair in pairs]
+    if images:  # a vision-language task: the prompts carry their images
+        for d, own in zip(demos, images, strict=True):
+            d.images = own or None
     check_demonstration_count(len(demos), cfg, max_len)
     return demos
 

@@ -14,6 +14,9 @@ from typing import Literal
 from meshrl.devices import check_devices
 from meshrl.errors import ConfigError
 
+VLM_FLAVORS = {"tiny-qwen2.5-vl": "qwen2_5_vl", "tiny-qwen3-vl": "qwen3_vl"}
+"""New tiny vision-language models (meshrl.models.tiny_vlm), by flavor name."""
+
 
 @dataclass
 class ModelConfig:
@@ -21,8 +24,9 @@ class ModelConfig:
     """HF-format checkpoint dir (config.json, model.safetensors, tokenizer) to start from. If unset, a model of
     `flavor` is initialised at random (seeded) and saved into the run directory first."""
     flavor: str = "tiny"
-    """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU) or a torchtitan Qwen3
-    flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B')."""
+    """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU), a torchtitan Qwen3
+    flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B'), or a tiny vision-language model: 'tiny-qwen2.5-vl',
+    'tiny-qwen3-vl' (with --model.backend hf)."""
     attn_backend: Literal["sdpa", "flex"] = "sdpa"
     """Trainer attention kernel. 'sdpa' works everywhere; 'flex' (torchtitan's default) needs a GPU for backward."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -58,7 +62,11 @@ class ModelConfig:
             )
         if self.lora_rank and not self.lora_target_modules.strip():
             raise ConfigError("model.lora_target_modules is empty: name the modules to adapt, or 'all-linear'")
-        if self.path is None and self.flavor != "tiny":
+        if self.path is None and self.flavor in VLM_FLAVORS and self.backend != "hf":
+            raise ConfigError(
+                f"model.flavor={self.flavor!r} is a vision-language model: it trains with --model.backend hf"
+            )
+        if self.path is None and self.flavor != "tiny" and self.flavor not in VLM_FLAVORS:
             from meshrl.models.qwen3 import TITAN_FLAVORS
 
             if self.flavor not in TITAN_FLAVORS:

@@ -382,11 +382,36 @@ def ensure_model(cfg: GRPORunConfig | SFTRunConfig, task: Task | None, run_path:
         return str(model_cfg.path)
     model_dir = run_path / "base_model"
     if not (model_dir / "config.json").exists():
+        from meshrl.models.config import VLM_FLAVORS
+
+        if model_cfg.flavor in VLM_FLAVORS:  # a tiny vision-language model, its BPE trained on the task's texts
+            from meshrl.models.tiny_vlm import create_tiny_vlm
+
+            texts = task_texts(task) if task is not None else None
+            create_tiny_vlm(model_dir, VLM_FLAVORS[model_cfg.flavor], vocab_size=model_cfg.bpe_vocab_size,
+                            seed=model_cfg.seed, texts=texts)  # fmt: skip
+            return str(model_dir)
         from meshrl.models.qwen3 import create_random_checkpoint
 
         tokenizer = new_model_tokenizer(cfg, task)
         create_random_checkpoint(model_dir, flavor=model_cfg.flavor, tokenizer=tokenizer, seed=model_cfg.seed)
     return str(model_dir)
+
+
+def task_texts(task: Task) -> list[str]:
+    """The texts a new model's tokenizer learns from: the training prompts' text (the text parts of chat messages),
+    the answers and the task's own corpus."""
+
+    def text(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        parts = [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        return "\n".join(parts)
+
+    def prompt_text(prompt: Any) -> str:
+        return prompt if isinstance(prompt, str) else "\n".join(text(m.get("content", "")) for m in prompt)
+
+    return [prompt_text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer] + list(task.corpus)
 
 
 def new_model_tokenizer(cfg: GRPORunConfig | SFTRunConfig, task: Task | None) -> Any:
@@ -396,11 +421,7 @@ def new_model_tokenizer(cfg: GRPORunConfig | SFTRunConfig, task: Task | None) ->
         return cfg.reverse.tokenizer()
     from meshrl.tokenizer import train_bpe_tokenizer
 
-    def text(prompt: Any) -> str:
-        return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
-
-    texts = [text(r.prompt) for r in task.train] + [r.answer for r in task.train if r.answer] + list(task.corpus)
-    return train_bpe_tokenizer(texts, vocab_size=cfg.model.bpe_vocab_size)
+    return train_bpe_tokenizer(task_texts(task), vocab_size=cfg.model.bpe_vocab_size)
 
 
 def _say_the_verifier(task: Task, verifier: str, given: str | None) -> None:
