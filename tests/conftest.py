@@ -42,6 +42,7 @@ MODULE_LANES = {
     "test_weight_sync": "actors",
     "test_weight_sync_parity": "actors",
     "test_architectures_e2e": "e2e",
+    "test_vision_e2e": "e2e",
     "test_envs_e2e": "e2e",
     "test_async_overlap": "e2e",
     "test_deferred_grad_sync": "actors",

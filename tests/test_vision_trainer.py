@@ -153,3 +153,12 @@ def test_bad_image_inputs_are_clear_errors(vlm, tmp_path):
         pack_examples(sft.examples, 128)
     with pytest.raises(Exception, match="no vision tower"):
         load_sft_dataset(rows, renderer.tokenizer, max_seq_len=128)
+
+
+def test_a_new_vision_flavor_needs_the_hf_backend():
+    from meshrl.errors import ConfigError
+    from meshrl.models.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="vision-language model: it trains with --model.backend hf"):
+        ModelConfig(flavor="tiny-qwen2.5-vl")
+    assert ModelConfig(flavor="tiny-qwen3-vl", backend="hf").flavor == "tiny-qwen3-vl"
