@@ -62,12 +62,24 @@ class Engine(Protocol):
         """0 when awake, else the level of the last `sleep`."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
-        """`params.n` completions per prompt (token ids in and out, per-token logprobs), stamped `policy_version`."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        policy_version: int,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[list[Completion]]:
+        """`params.n` completions per prompt (token ids in and out, per-token logprobs), stamped `policy_version`.
+        `images`: per prompt, its encoded images (a vision-language model; the prompt holds their expanded image
+        tokens, `meshrl.models.vision`), an empty tuple for a text prompt. Image placeholders are never sampled,
+        and the logprobs are those of the distribution without them (the trainer's)."""
         ...
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence."""
+    def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence; `images`: per sequence, its encoded
+        images (a vision-language model)."""
         ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

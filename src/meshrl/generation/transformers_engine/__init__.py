@@ -1,7 +1,8 @@
 """meshrl's 'transformers' generation engine: continuous batching over a preallocated KV cache, for any transformers
 causal LM whose attention goes through transformers' attention interface (Qwen2/Qwen3, Llama, Mistral, GPT-2, ...:
-rotary or learned absolute position embeddings alike, since positions go in as `position_ids`). Nothing here imports
-vLLM or torchtitan, so it runs on the GPU machine's preinstalled torch.
+rotary or learned absolute position embeddings alike, since positions go in as `position_ids`), and for the
+vision-language models whose language model is one (Qwen2.5-VL, Qwen3-VL: image prompts, `generate(..., images=)`).
+Nothing here imports vLLM or torchtitan, so it runs on the GPU machine's preinstalled torch.
 
 One job per file, as nano-vllm's `engine/`:
 

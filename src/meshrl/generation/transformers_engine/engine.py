@@ -3,6 +3,12 @@
     scheduler.schedule_*()  ->  runner.prefill / compact / decode  ->  scheduler.postprocess_*()
 
 (scheduler.py decides, model_runner.py runs on the device). Implements `meshrl.generation.base.Engine`.
+
+A vision-language checkpoint (Qwen2.5-VL, Qwen3-VL) generates from image prompts: the prompt ids hold the expanded
+image tokens (`meshrl.models.vision`: `VisionInputs.expand`), `images[i]` prompt i's encoded images:
+
+    engine = TransformersEngine(vlm_dir, max_model_len=512)
+    groups = engine.generate([ids], SamplingParams(n=4, max_tokens=64), 0, images=[(wire_image(pil).data,)])
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ from typing import Any
 
 import torch
 
-from meshrl.errors import ConfigError
 from meshrl.generation.base import DTYPES, check_prompts, check_sleep_level, check_tokens, process_memory
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.transformers_engine.model_runner import ModelRunner
@@ -62,16 +67,6 @@ class TransformersEngine:
                 f"{model_dir!r} has no config.json; TransformersEngine needs an HF-format model directory "
                 "(config.json + *.safetensors), e.g. written by save_pretrained"
             )
-        from meshrl.models.vision import is_vision_checkpoint
-
-        if is_vision_checkpoint(model_dir):
-            # Its paged KV cache and CUDA-graph decode are built around a causal LM's forward; a vision-language
-            # model's prefill needs the image features scattered into the prompt and its 3-D rotary positions
-            # carried into decode, which this engine does not do. Refused here, before any weight is loaded.
-            raise ConfigError(
-                f"{model_dir} is a vision-language model (its config.json has a vision_config): the transformers "
-                "engine generates from text-only models; use --generator.engine vllm"
-            )
         self.config = dataclasses.replace(config or TransformersEngineConfig(), **overrides)
         self.model_dir, self.dtype, self.torch_dtype = model_dir, dtype, DTYPES[dtype]
         if device is None:
@@ -87,6 +82,9 @@ class TransformersEngine:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
         )
         self.vocab_size = self.runner.vocab_size
+        # A vision-language model's image inputs (`meshrl.models.vision.VisionInputs`), None for a causal LM.
+        self.vision = self.runner.vision
+        self.placeholder_ids: tuple[int, ...] = self.vision.placeholder_ids if self.vision is not None else ()
         self._max_model_len = self.runner.max_model_len
         self.num_slots = self.runner.num_slots
         self.kv_cache_bytes = self.runner.kv_cache_bytes
@@ -124,18 +122,45 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ validation
 
+    def _check_images(
+        self, seqs: list[list[int]], images: list[tuple[bytes, ...]] | None, what: str
+    ) -> list[tuple[bytes, ...]]:
+        """One tuple of images per sequence (empty for none); a vision-language model's sequences must hold exactly
+        the image tokens their images make."""
+        if images is None:
+            images = [()] * len(seqs)
+        elif len(images) != len(seqs):
+            raise ValueError(f"{len(images)} image lists for {len(seqs)} {what}s; give one per {what}")
+        images = [tuple(own or ()) for own in images]
+        if self.vision is None:
+            if any(images):
+                raise ValueError(f"{what}s with images, but {self.model_dir} is not a vision-language checkpoint")
+            return images
+        for i, (s, own) in enumerate(zip(seqs, images, strict=True)):
+            self.vision.check(s, own, f"{what} {i}")
+        return images
+
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, policy_version: int) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        policy_version: int,
+        images: list[tuple[bytes, ...]] | None = None,
+    ) -> list[list[Completion]]:
         """Sample `params.n` completions per prompt. Returns one list of `Completion`s per prompt, in order.
 
         temperature 0 is greedy (the n completions are then identical). With `params.seed` set, prompt i's
         sample j uses seed `params.seed + i * n + j`: a call is reproducible and no two samples share noise.
-        A sleeping engine wakes up first.
+        A sleeping engine wakes up first. `images`: per prompt, its encoded images (a vision-language model; the
+        prompt holds their expanded image tokens; an empty tuple for a text prompt). A vision-language model never
+        samples an image placeholder: the logprobs are those of the distribution without them, as the trainer's.
         """
         prompts = check_prompts(prompts, params.max_tokens, self._max_model_len, self.vocab_size)
         if not prompts:
             return []
+        images = self._check_images(prompts, images, "prompt")
         self.wake_up()
         greedy = params.temperature == 0
         n_run = 1 if greedy else params.n
@@ -144,7 +169,7 @@ class TransformersEngine:
         for i, p in enumerate(prompts):
             for j in range(n_run):
                 seed = self._rng.getrandbits(63) if params.seed is None else params.seed + i * params.n + j
-                seqs.append(Sequence(i, p, seed, params, stop))
+                seqs.append(Sequence(i, p, seed, params, stop, images=images[i]))
         scheduler = Scheduler(
             seqs, num_slots=self.num_slots, max_prefill_tokens=self.max_prefill_tokens, sync_every=self.sync_every
         )
@@ -175,8 +200,13 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ scoring
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1)."""
+    def prompt_logprobs(
+        self, sequences: list[list[int]], images: list[tuple[bytes, ...]] | None = None
+    ) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1 .. len(seq)-1 of each sequence (raw logits, temperature 1).
+
+        `images`: per sequence, its encoded images (a vision-language model). As in the trainer, a vision-language
+        model's image placeholders are left out of the distribution, and an image token as a target scores 0."""
         sequences = [[int(t) for t in s] for s in sequences]
         for i, s in enumerate(sequences):
             check_tokens("sequence", i, s, self.vocab_size)
@@ -185,6 +215,7 @@ class TransformersEngine:
                     f"sequence {i} has {len(s)} tokens > max_model_len={self._max_model_len}; truncate it or "
                     f"build the engine with max_model_len >= {len(s)}"
                 )
+        images = self._check_images(sequences, images, "sequence")
         results: list[list[float]] = [[] for _ in sequences]
         todo = [i for i, s in enumerate(sequences) if len(s) >= 2]
         if todo:
@@ -197,7 +228,7 @@ class TransformersEngine:
                 end < len(todo) and (end + 1 - start) * max(len(sequences[j]) for j in todo[start : end + 1]) <= budget
             ):
                 end += 1
-            chunk = self.runner.score([sequences[j] for j in todo[start:end]])
+            chunk = self.runner.score([sequences[j] for j in todo[start:end]], [images[j] for j in todo[start:end]])
             for k, lp in enumerate(chunk):
                 results[todo[start + k]] = lp
             start = end

@@ -16,6 +16,12 @@ sampled, as host arrays; it never changes a `Sequence`.
   max_tokens sooner); stop tokens are checked then, so a row that stopped inside a chunk keeps decoding until the
   chunk ends (the scheduler drops its extra tokens). Rows that use top-k/top-p take the per-step path (sampling
   outside the graph, one host sync per step).
+- Vision-language models (`vision` set: Qwen2.5-VL, Qwen3-VL): the decoder is the language model. A prefill with
+  images runs the model's own multimodal forward (vision tower, image features into the image tokens, Qwen3-VL's
+  deepstack features) with the prompts' 3-D rotary positions; a row then decodes at rotary position = its text
+  position + its prompt's rope delta (`delta_buf`, moved with the row as `pos_buf` is). The image placeholders get
+  -inf logits before any sampling (`suppress`), so they are never sampled and the logprobs are those of the
+  distribution without them, as the trainer's.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from meshrl.generation.transformers_engine.sampler import sample, uniform_noise,
 from meshrl.generation.transformers_engine.scheduler import Compaction, Decode, Prefill
 from meshrl.generation.transformers_engine.sequence import Sequence
 from meshrl.models.hf_config import max_positions
+from meshrl.models.vision import VisionInputs, is_vision_checkpoint
 
 _NEG_INF = float("-inf")
 GPU_FREE_FRACTION = 0.9
@@ -73,15 +80,29 @@ class ModelRunner:
         max_num_seqs: int,
         kv_cache_memory_bytes: int | None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         register_attention()
         self.config, self.torch_dtype, self.device = config, torch_dtype, device
         # Whether the KV cache can live at fixed addresses (checked before the model loads: True refuses to start
         # where it cannot).
         self.kv_vmm_fallback: str | None = self._vmm_fallback(config.remappable_kv_cache)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=ATTN_NAME)
+        if is_vision_checkpoint(model_dir):
+            # Our attention in the language model only: the vision tower runs transformers' own, once per prefill.
+            attn = {"": ATTN_NAME, "text_config": ATTN_NAME, "vision_config": "sdpa"}
+            model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=attn)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=ATTN_NAME)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        # A vision-language model's image inputs (None for a causal LM), its multimodal forward (`model.model`) and
+        # the names its checkpoint (and the trainer) give its weights.
+        self.vision = VisionInputs.from_model_dir(model_dir, model)
+        self._mm_model = model.model if self.vision is not None else None
+        self._saved_names: dict[str, str] = {}
+        if self.vision is not None:
+            from meshrl.models.hf_backend import checkpoint_names
+
+            self._saved_names = checkpoint_names(model)
         cfg = model.config.get_text_config()
         layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
         if (
@@ -100,6 +121,12 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.params = self._param_map()
+        # -inf at the image placeholders, added to every logits row before sampling or scoring (vision only).
+        self.suppress: torch.Tensor | None = None
+        if self.vision is not None:
+            self.suppress = torch.zeros(self.lm_head.weight.shape[0], dtype=torch_dtype, device=self.device)
+            self.suppress[list(self.vision.placeholder_ids)] = _NEG_INF
+            self._placeholders = torch.tensor(self.vision.placeholder_ids, device=self.device)
         # The attention mask handed to the decoder: an "already prepared" 4D mask, which transformers' mask
         # builders (`create_causal_mask` & co.) return as it is, in every model and version, so no mask is built
         # per forward (our attention function ignores it: it masks by itself). Not the per-layer-type dict that
@@ -155,6 +182,8 @@ class ModelRunner:
         # Static decode inputs (CUDA graphs read these addresses).
         self.ids_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.pos_buf = torch.zeros(slots, dtype=torch.long, device=self.device)
+        # Vision: each row's rope delta (rotary position - text position after its prompt), moved as pos_buf is.
+        self.delta_buf = torch.zeros(slots, dtype=torch.long, device=self.device) if self.vision is not None else None
         self.rows_buf = torch.arange(slots, device=self.device)
         self.iota = torch.arange(self.max_model_len, device=self.device)
         # Device-side decode loop: per-row sampling state, uploaded once per chunk, and the history of the chunk's
@@ -177,7 +206,8 @@ class ModelRunner:
         self.attn_impl = self._choose_attn(config.attn_impl)
         self._ctx.attn_impl = self.attn_impl
         want_norm = self.device.type == "cuda" if config.fused_norm is None else bool(config.fused_norm)
-        self.norm_fallback = fuse_norms(self.model, self.device, torch_dtype) if want_norm else None
+        norm_model = self.model if self.vision is None else self.decoder  # the vision tower keeps its own norms
+        self.norm_fallback = fuse_norms(norm_model, self.device, torch_dtype) if want_norm else None
         self.fused_norm = want_norm and self.norm_fallback is None
 
     def _device_index(self) -> int:
@@ -228,8 +258,13 @@ class ModelRunner:
         return "matmul"
 
     def _param_map(self) -> dict[str, torch.Tensor]:
-        # load_weights copies into these in place: the same tensors while the weights stay where they are.
-        return {k: v.data for k, v in self.model.state_dict(keep_vars=True).items()}
+        # load_weights copies into these in place: the same tensors while the weights stay where they are. A
+        # vision-language model's weights also go by their checkpoint names (`model.layers.0...` for the module's
+        # `model.language_model.layers.0...`, `visual...` for `model.visual...`): the names the trainer publishes.
+        params = {k: v.data for k, v in self.model.state_dict(keep_vars=True).items()}
+        for name, saved in self._saved_names.items():
+            params[saved] = params[name]
+        return params
 
     # ------------------------------------------------------------------ memory (sleep mode)
 
@@ -353,7 +388,7 @@ class ModelRunner:
     def prefill(self, step: Prefill) -> tuple[np.ndarray, np.ndarray]:
         """Prefill `step`'s prompts into their slots, copy their KV to the other samples' slots, sample each
         admitted sequence's first token; (tokens [1, m], logprobs [1, m]) on the host."""
-        logits = self._prefill(step.prompts, torch.tensor(step.prompt_rows, device=self.device))
+        logits, deltas = self._prefill(step.prompts, torch.tensor(step.prompt_rows, device=self.device), step.images)
         if step.copies:
             T = step.copy_len
             dst = torch.tensor([d for d, _ in step.copies], device=self.device)
@@ -363,22 +398,64 @@ class ModelRunner:
         out = self._sample(logits[pick], step.seqs, step.rows)
         lens = np.array([len(r.prompt) for r in step.seqs], dtype=np.int64)
         self.pos_buf[torch.tensor(step.rows, device=self.device)] = torch.from_numpy(lens).to(self.device)
+        if self.delta_buf is not None:  # every admitted row's, text prompts' (0) too: no stale delta stays
+            self.delta_buf[torch.tensor(step.rows, device=self.device)] = deltas[pick]
         return out
 
-    def _prefill(self, rows: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
-        """Run right-padded prompts, writing their KV into `slots`; return last-position logits (float32)."""
+    def _prefill(
+        self, rows: list[list[int]], slots: torch.Tensor, images: Seq[tuple[bytes, ...]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run right-padded prompts, writing their KV into `slots`; return last-position logits (float32) and, for
+        a vision-language model, each prompt's rope delta (else None)."""
         T = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), T, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.tensor(r)
         ids = ids.to(self.device, non_blocking=True)
-        pos = self.iota[:T].expand(len(rows), T)
+        deltas = None
         with self._mode("prefill") as ctx:
             ctx.slots = slots
-            h = self._hidden(ids, pos)
+            if self.vision is not None and images is not None and any(images):
+                h, deltas = self._mm_hidden(ids, rows, images)
+            else:
+                h = self._hidden(ids, self.iota[:T].expand(len(rows), T))
+        if self.vision is not None and deltas is None:
+            deltas = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         last = torch.tensor([len(r) - 1 for r in rows], device=self.device)
         self.stats["prefills"] += 1
-        return self.lm_head(h[torch.arange(len(rows), device=self.device), last]).float()
+        logits = self.lm_head(h[torch.arange(len(rows), device=self.device), last]).float()
+        if self.suppress is not None:
+            logits += self.suppress
+        return logits, deltas
+
+    def _mm_hidden(
+        self, ids: torch.Tensor, rows: list[list[int]], images: Seq[tuple[bytes, ...]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The multimodal forward of right-padded rows `ids` (row i: tokens `rows[i]`, images `images[i]`): the
+        model's own (vision tower, image features scattered into the image tokens, deepstack), at the rows' 3-D
+        rotary positions (`VisionInputs.positions_of`; 1-D positions for a model without them). Returns the last
+        hidden states and each row's rope delta (max rotary position + 1 - length: decode's rotary position is the
+        text position + delta)."""
+        B, T = ids.shape
+        vision = self.vision
+        pos = self.iota[:T].expand(3 if vision.rope_3d else 1, B, T).clone()
+        deltas = torch.zeros(B, dtype=torch.long)
+        for i, (r, own) in enumerate(zip(rows, images, strict=True)):
+            if vision.rope_3d and own:
+                rope = vision.positions_of(r, own)[1:]  # [3, n]
+                n = len(r)
+                deltas[i] = int(rope.max()) + 1 - n
+                pos[:, i, :n] = rope.to(self.device)
+                pos[:, i, n:] += deltas[i].item()  # padding continues the rotary positions (never read)
+        pixels = {
+            k: v.to(self.device, dtype=self.torch_dtype if v.is_floating_point() else v.dtype)
+            for k, v in vision.pixels([b for own in images for b in own]).items()
+        }
+        out = self._mm_model(
+            input_ids=ids, position_ids=pos if vision.rope_3d else pos[0], attention_mask=self._mask_arg,
+            use_cache=False, **pixels,
+        )  # fmt: skip
+        return out.last_hidden_state, deltas.to(self.device)
 
     def compact(self, step: Compaction) -> None:
         if step.src:
@@ -388,7 +465,11 @@ class ModelRunner:
             self._copy_slots(dst, src, T)
             self.ids_buf[dst] = self.ids_buf[src]
             self.pos_buf[dst] = self.pos_buf[src]
+            if self.delta_buf is not None:
+                self.delta_buf[dst] = self.delta_buf[src]
         self.pos_buf[step.keep :] = 0
+        if self.delta_buf is not None:
+            self.delta_buf[step.keep :] = 0
 
     @torch.no_grad()
     def decode(self, step: Decode) -> tuple[np.ndarray, np.ndarray]:
@@ -405,11 +486,16 @@ class ModelRunner:
         ctx = self._ctx
         ctx.rows, ctx.pos, ctx.length = self.rows_buf[:B], self.pos_buf[:B], L
         ctx.bias = torch.where(self.iota[None, :L] <= self.pos_buf[:B, None], 0.0, _NEG_INF)
-        h = self._hidden(self.ids_buf[:B, None], self.pos_buf[:B, None])
+        if self.delta_buf is None:
+            h = self._hidden(self.ids_buf[:B, None], self.pos_buf[:B, None])
+        else:  # rotary position = text position + the prompt's rope delta, the same on the three rotary rows
+            h = self._hidden(self.ids_buf[:B, None], (self.pos_buf[:B] + self.delta_buf[:B])[:, None])
         out = self.logits_buf[:B]
         torch.matmul(h[:, 0], self.lm_head.weight.t(), out=out)
         if getattr(self.lm_head, "bias", None) is not None:
             out.add_(self.lm_head.bias)
+        if self.suppress is not None:
+            out.add_(self.suppress)
         return out
 
     def _device_step(self, B: int, L: int) -> None:
@@ -520,20 +606,31 @@ class ModelRunner:
         return host[0:1].astype(np.int64), host[1:2]
 
     @torch.no_grad()
-    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+    def score(self, seqs: list[list[int]], images: Seq[tuple[bytes, ...]] | None = None) -> list[list[float]]:
         """log p(seq[t] | seq[:t]) for t = 1 .. len-1 of each sequence (each of length >= 2), in one forward
-        without the cache."""
+        without the cache. Vision-language model: `images` per sequence; the placeholders are left out of the
+        distribution (as in the trainer), and a placeholder target (an image token) scores 0, as the trainer's
+        masked ones do."""
         T = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
         for k, s in enumerate(seqs):
             ids[k, : len(s)] = torch.tensor(s)
         ids = ids.to(self.device)
         with self._mode("full"):
-            h = self._hidden(ids, self.iota[:T].expand(len(seqs), T))
+            if self.vision is not None and images is not None and any(images):
+                h, _ = self._mm_hidden(ids, seqs, images)
+            else:
+                h = self._hidden(ids, self.iota[:T].expand(len(seqs), T))
         out = []
         for k, s in enumerate(seqs):
-            lp = torch.log_softmax(self.lm_head(h[k, : len(s) - 1]).float(), dim=-1)
-            out.append(lp.gather(1, ids[k, 1 : len(s), None])[:, 0].tolist())
+            logits = self.lm_head(h[k, : len(s) - 1]).float()
+            target = ids[k, 1 : len(s)]
+            if self.suppress is None:
+                lp = torch.log_softmax(logits, dim=-1)
+                out.append(lp.gather(1, target[:, None])[:, 0].tolist())
+                continue
+            lp = torch.log_softmax(logits + self.suppress, dim=-1).gather(1, target[:, None])[:, 0]
+            out.append(lp.masked_fill(torch.isin(target, self._placeholders), 0.0).tolist())
         return out
 
     # ------------------------------------------------------------------ weights

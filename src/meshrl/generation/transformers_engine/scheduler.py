@@ -25,7 +25,8 @@ from meshrl.generation.transformers_engine.sequence import Sequence
 class Prefill:
     """Admit `seqs` into slots `rows` (in order). One prefill row per distinct prompt (`prompts`, run into slots
     `prompt_rows`); the samples of a prompt copy its KV (`copies`: (dst, src) slots, the first `copy_len`
-    positions) and sample from its logits (`pick[i]`: sequence i's index into `prompts`)."""
+    positions) and sample from its logits (`pick[i]`: sequence i's index into `prompts`). `images[i]`: prompt i's
+    encoded images (empty for a text prompt)."""
 
     rows: list[int]
     seqs: list[Sequence]
@@ -34,6 +35,7 @@ class Prefill:
     copies: list[tuple[int, int]]
     copy_len: int
     pick: list[int]
+    images: list[tuple[bytes, ...]]
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Scheduler:
             copies=copies,
             copy_len=max((len(running[d].prompt) for d, _ in copies), default=0),
             pick=[which[src_row[id(r.prompt)]] for r in batch],
+            images=[running[row].images for row in uniq_rows],
         )
 
     def postprocess_prefill(self, step: Prefill, tokens: np.ndarray, logprobs: np.ndarray) -> None:

@@ -21,6 +21,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     """None while running; 'stop' or 'length' once finished."""
+    images: tuple[bytes, ...] = ()
+    """The prompt's encoded images (a vision-language model), in the order of its image-token runs."""
 
     @property
     def uses_host_sampling(self) -> bool:
