@@ -119,7 +119,7 @@ def tiny_vision() -> GRPORunConfig:
         trainer=TrainerConfig(num_procs=1, micro_batch_size=64),
         optim=OptimConfig(lr=3e-4, schedule="constant", grad_clip=1.0),
         generator=GeneratorConfig(
-            engine="transformers", num_replicas=1, max_model_len=64, max_tokens=4, temperature=1.0, weight_sync="shm"
+            engine="transformers", num_replicas=1, max_model_len=96, max_tokens=4, temperature=1.0, weight_sync="shm"
         ),  # fmt: skip
         grpo=GRPOConfig(steps=100, prompts_per_step=16, group_size=8),
         warmup=WarmupConfig(steps=300, batch_size=32, lr=3e-3),
