@@ -68,60 +68,39 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--no-chat-template", action="store_true", help="plain-text tokenizer (eos <|endoftext|>)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.arch in VLM_ARCHS:
-        if args.no_chat_template or args.dropout:
-            p.error(f"--no-chat-template and --dropout do not apply to --arch {args.arch}")
-        return _vision_language(args)
-
-    from meshrl.models.tiny_hf import create_tiny_chat_model
-    from meshrl.tokenizer import CHATML_TEMPLATE
-
+    vision = args.arch in VLM_ARCHS
+    if vision and (args.no_chat_template or args.dropout):
+        p.error(f"--no-chat-template and --dropout do not apply to --arch {args.arch}")
+    common = dict(
+        vocab_size=args.vocab_size,
+        texts=read_texts(args.texts) if args.texts else None,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+    )
     try:
-        out = create_tiny_chat_model(
-            args.out,
-            arch=args.arch,
-            vocab_size=args.vocab_size,
-            texts=read_texts(args.texts) if args.texts else None,
-            chat_template=None if args.no_chat_template else CHATML_TEMPLATE,
-            seed=args.seed,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            max_position_embeddings=args.max_position_embeddings,
-            dropout=args.dropout,
-        )
+        if vision:
+            from meshrl.models.tiny_vlm import create_tiny_vlm
+
+            out = create_tiny_vlm(args.out, args.arch, **common)
+        else:
+            from meshrl.models.tiny_hf import create_tiny_chat_model
+            from meshrl.tokenizer import CHATML_TEMPLATE
+
+            template = None if args.no_chat_template else CHATML_TEMPLATE
+            out = create_tiny_chat_model(
+                args.out, arch=args.arch, chat_template=template, dropout=args.dropout, **common
+            )
     except ValueError as e:  # e.g. a vocabulary too small for the byte alphabet, heads that do not divide
         raise SystemExit(f"error: {e}") from None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
-    print(f"wrote a tiny {args.arch} checkpoint ({len(tok)} tokens, eos {tok.eos_token!r}) to {out}")
-    return out
-
-
-def _vision_language(args: argparse.Namespace) -> Path:
-    from meshrl.models.tiny_vlm import create_tiny_vlm
-
-    try:
-        out = create_tiny_vlm(
-            args.out,
-            args.arch,
-            vocab_size=args.vocab_size,
-            texts=read_texts(args.texts) if args.texts else None,
-            seed=args.seed,
-            hidden_size=args.hidden_size,
-            num_layers=args.num_layers,
-            num_heads=args.num_heads,
-            num_kv_heads=args.num_kv_heads,
-            max_position_embeddings=args.max_position_embeddings,
-        )
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out)
-    print(f"wrote a tiny {args.arch} vision-language checkpoint ({len(tok)} tokens, eos {tok.eos_token!r}) to {out}")
+    kind = f"{args.arch} vision-language" if vision else args.arch
+    print(f"wrote a tiny {kind} checkpoint ({len(tok)} tokens, eos {tok.eos_token!r}) to {out}")
     return out
 
 

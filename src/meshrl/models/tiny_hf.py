@@ -12,7 +12,7 @@ every loader (transformers, vLLM, both meshrl trainer backends that support the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -136,7 +136,7 @@ def create_tiny_checkpoint(
     default umask 022). The vocabulary is the tokenizer's (`len(tokenizer)`); eos/pad/bos ids come from it into
     config.json and generation_config.json. `initializer_range`: std of the random weights (larger than
     transformers' 0.02 makes a random model's next-token choices less flat). Returns `path`."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     ids = special_token_ids(tokenizer)
     cfg = tiny_config(
@@ -155,17 +155,7 @@ def create_tiny_checkpoint(
         pad_token_id=ids["pad_token_id"],
         bos_token_id=ids["bos_token_id"],
     )
-    state = torch.random.get_rng_state()  # the caller's global RNG stream is left as it was
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["generation_eos_token_id"],
-        pad_token_id=ids["pad_token_id"],
-        bos_token_id=ids["bos_token_id"],
-    )
+    model = seeded_model(lambda: AutoModelForCausalLM.from_config(cfg, dtype=dtype), seed, ids)
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -173,6 +163,23 @@ def create_tiny_checkpoint(
 
 
 _TEMPLATE_DEFAULT = object()
+
+
+def seeded_model(build: Callable[[], Any], seed: int, ids: dict[str, Any]) -> Any:
+    """`build()` (a transformers model) with torch's RNG seeded (the caller's global RNG stream is left as it was),
+    its generation config holding the tokenizer's special ids (`special_token_ids`)."""
+    from transformers import GenerationConfig
+
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = build()
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["generation_eos_token_id"], pad_token_id=ids["pad_token_id"], bos_token_id=ids["bos_token_id"]
+    )
+    return model
 
 
 def create_tiny_chat_model(

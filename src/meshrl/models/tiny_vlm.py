@@ -297,9 +297,8 @@ def create_tiny_vlm(
     vision_hidden_size, vision_depth, vision_num_heads, initializer_range). `min_pixels` / `max_pixels`: the image
     processor's resize bounds (default `default_pixels(arch)`). Returns `out_dir` as a Path."""
     import transformers
-    from transformers import GenerationConfig
 
-    from meshrl.models.tiny_hf import special_token_ids
+    from meshrl.models.tiny_hf import seeded_model, special_token_ids
 
     tok = vlm_tokenizer(arch, vocab_size=vocab_size, texts=texts)
     ids = special_token_ids(tok)
@@ -321,17 +320,7 @@ def create_tiny_vlm(
     lo, hi = default_pixels(arch)
     min_pixels, max_pixels = min_pixels or lo, max_pixels or hi
     model_cls = getattr(transformers, _FAMILY[arch]["model"])
-    state = torch.random.get_rng_state()  # the caller's global RNG stream is left as it was
-    try:
-        torch.manual_seed(seed)
-        model = model_cls(cfg).to(dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["generation_eos_token_id"],
-        pad_token_id=ids["pad_token_id"],
-        bos_token_id=ids["bos_token_id"],
-    )
+    model = seeded_model(lambda: model_cls(cfg).to(dtype), seed, ids)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)  # tokenizer files and chat_template.jinja (which the processor reads too)
