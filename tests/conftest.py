@@ -46,6 +46,7 @@ MODULE_LANES = {
     "test_envs_e2e": "e2e",
     "test_async_overlap": "e2e",
     "test_deferred_grad_sync": "actors",
+    "test_vision_ranks": "actors",
     "test_flat_gather": "actors",
     "test_grpo_async": "e2e",
     "test_grpo_e2e": "e2e",

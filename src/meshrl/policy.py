@@ -260,19 +260,19 @@ class Policy:
             raise ValueError("Datum.positions (rows packed by the caller) cannot carry images; send unpacked Datums")
         for i, d in enumerate(local):
             self._vision.check(d.tokens, d.images or (), f"datum {i} on trainer rank {self.rank}")
-        if self.world_size > 1 and not any(d.images for d in local):
-            # FSDP gathers the vision tower's weights on every rank that runs it: a rank without images would not
-            # run it, and the others would wait for it forever.
-            raise ValueError(
-                f"trainer rank {self.rank} got no sequence with images in a call whose batch has some: with "
-                f"{self.world_size} ranks every rank's share needs an image (mix image and text-only rows so each "
-                "micro-batch has images on every rank, or train on one rank)"
-            )
-        pack = self.pack_sequences and len(local) > 1
-        batch = self._vision.pack(local, self.pad_id, row_len=self.trainer_cfg.pack_row_len, pack=pack,
+        # FSDP gathers the vision tower's weights on every rank that runs it, and reduce-scatters its gradients in
+        # backward: a rank whose share has no image (text rows, a padding row) must run it too, or the others wait
+        # for it forever. It runs the tower on a blank picture, in a stand-in row whose output enters the result
+        # times 0 (so its backward runs as well, adding nothing).
+        stand_in = self.world_size > 1 and not any(d.images for d in local)
+        rows_in = local + [self._vision.stand_in(self.pad_id)] if stand_in else local
+        pack = self.pack_sequences and len(rows_in) > 1
+        batch = self._vision.pack(rows_in, self.pad_id, row_len=self.trainer_cfg.pack_row_len, pack=pack,
                                   device=self.device)  # fmt: skip
-        rows = self.backend.target_logprobs(batch.tokens, temperature, batch.positions, batch.pixels)
-        return rows.reshape(-1)[batch.index]
+        flat = self.backend.target_logprobs(batch.tokens, temperature, batch.positions, batch.pixels).reshape(-1)
+        if not stand_in:
+            return flat[batch.index]
+        return flat[batch.index[:-1]] + 0.0 * flat[batch.index[-1]].sum()
 
     def _packing_holds(self) -> bool:
         """Packed rows are only an optimisation if the model keeps documents apart. The backends mask attention

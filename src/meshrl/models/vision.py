@@ -192,6 +192,20 @@ class VisionInputs:
         if not images and found:
             raise ValueError(f"{what} has {found} image tokens but no images")
 
+    def stand_in(self, pad_id: int) -> Any:
+        """A loss-free Datum of one blank picture: a row that runs the vision tower where a trainer rank's share has
+        no image (Policy: FSDP needs every rank to run it)."""
+        from PIL import Image
+
+        from meshrl.types import Datum
+
+        if not hasattr(self, "_blank"):
+            out = io.BytesIO()
+            Image.new("RGB", (56, 56), "white").save(out, format="PNG")
+            self._blank = out.getvalue()
+        tokens = [self.image_token_id] * self.tokens_per_image(self._blank) + [pad_id]
+        return Datum(tokens, [0.0] * (len(tokens) - 1), images=(self._blank,))
+
     # ---- positions ----------------------------------------------------------------------------------------------
     def positions_of(self, tokens: Sequence[int], images: Sequence[bytes]) -> torch.Tensor:
         """One document's positions: `[4, n]` (text, then the 3-D rotary rows) or `[1, n]`."""
