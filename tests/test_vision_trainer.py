@@ -162,3 +162,34 @@ def test_a_new_vision_flavor_needs_the_hf_backend():
     with pytest.raises(ConfigError, match="vision-language model: it trains with --model.backend hf"):
         ModelConfig(flavor="tiny-qwen2.5-vl")
     assert ModelConfig(flavor="tiny-qwen3-vl", backend="hf").flavor == "tiny-qwen3-vl"
+
+
+def test_environment_episodes_open_with_the_rows_images(vlm):
+    """The one rollout seam: an episode opened from an image row carries its images to the engine and into its
+    training datum, and the trainer scores the sampled tokens as the engine did."""
+    from meshrl.generation.transformers_engine import TransformersEngine
+    from meshrl.rollout.episode import EpisodeRenderer
+    from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner
+    from meshrl.rollout.single_turn import SingleTurnEnv
+    from meshrl.types import SamplingParams
+
+    model_dir, renderer, policy = vlm
+    engine = TransformersEngine(str(model_dir), max_model_len=128, max_num_seqs=8)
+    sent = []
+
+    def generate(prompts, params, *images):
+        sent.append(images[0] if images else None)
+        return [g[0] for g in engine.generate(prompts, params, 0, images=images[0] if images else None)]
+
+    try:
+        rows = [image_row(0), image_row(1, 96)]
+        run = EpisodeRunner(SingleTurnEnv, EpisodeRenderer(renderer), generate, EpisodeLimits(1, 128, 4, 30.0))
+        episodes = run.run(rows, 2, SamplingParams(stop_token_ids=renderer.stop_token_ids), seed=0)
+    finally:
+        engine.shutdown()
+    assert sent and all(im is not None and len(im) == 4 for im in sent)  # 2 rows x 2 episodes, an image each
+    data = [e.tokens.datum() for e in episodes]
+    assert [d.images for d in data] == [renderer.prompt_images(rows[k // 2]) for k in range(4)]
+    for d, row in zip(data, policy.forward(data), strict=True):
+        mask = np.asarray(d.loss_mask) > 0
+        np.testing.assert_allclose(np.asarray(row)[mask], np.asarray(d.old_logprobs)[mask], atol=1e-4)
