@@ -35,8 +35,8 @@ from common import ensure_meshrl_layout, environment, make_model_dir, print_tabl
 
 
 def run_transport(args, transport: str | None, model_dir: str, task, on_gpu: bool, staleness: int = 0) -> dict:
-    """`staleness` 1: the asynchronous schedule of `--grpo.max-staleness 1` (controller/rollouts.py, AheadSchedule): step
-    t+1's generation is sent before step t trains, and the new weights are published without waiting for the
+    """`staleness` 1: the asynchronous schedule of `--grpo.max-staleness 1` (controller/rollouts.py, AheadSchedule):
+    step t+1's generation is sent before step t trains, and the new weights are published without waiting for the
     generator (its load is queued behind that generation)."""
     from meshrl.advantages import compute_advantages
     from meshrl.algorithms import step_loss_spec
