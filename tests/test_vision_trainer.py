@@ -193,3 +193,19 @@ def test_environment_episodes_open_with_the_rows_images(vlm):
     for d, row in zip(data, policy.forward(data), strict=True):
         mask = np.asarray(d.loss_mask) > 0
         np.testing.assert_allclose(np.asarray(row)[mask], np.asarray(d.old_logprobs)[mask], atol=1e-4)
+
+
+def test_token_counts_come_from_the_size_the_pixels_have(vlm):
+    """The controller counts image tokens from the file's header (no pixels made there); an EXIF-rotated JPEG decodes
+    turned a quarter, and the count follows the turned size, as the trainer's pixels do."""
+    import io
+
+    _, renderer, _ = vlm
+    vision = renderer.vision
+    for height, width, orientation in ((84, 200, 1), (84, 200, 6), (200, 120, 8)):
+        exif = picture(0, height, width).getexif()
+        exif[0x0112] = orientation
+        out = io.BytesIO()
+        picture(0, height, width).save(out, format="JPEG", exif=exif)
+        image = wire_image(out.getvalue()).data
+        assert vision.tokens_per_image(image) == vision.image_tokens(vision.pixels_of(image))[0]

@@ -66,14 +66,6 @@ def placeholder_ids(config: Any) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def decode_image(data: bytes) -> Any:
-    """Encoded image bytes (PNG, JPEG, ...) -> an RGB PIL image."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        return im.convert("RGB")
-
-
 @dataclass
 class VisionBatch:
     """A forward's inputs for `data` with images: `tokens` `[R, L]`, `positions` (`[4, R, L]` for 3-D rotary
@@ -117,7 +109,18 @@ class VisionInputs:
     # ---- prompts ------------------------------------------------------------------------------------------------
     def tokens_per_image(self, image: bytes) -> int:
         """How many image tokens `image` becomes: Qwen-VL: its grid cells after resizing / merge²; fixed-size
-        encoders (LLaVA-style): the config's `image_seq_length`, else the patch count (+1 for a kept CLS token)."""
+        encoders (LLaVA-style): the config's `image_seq_length`, else the patch count (+1 for a kept CLS token).
+        Qwen-VL counts from the image's size alone (the processor's own `get_number_of_image_patches`, read from the
+        file's header): the controller renders every prompt at launch and makes no pixels for it."""
+        patches_of = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if patches_of is not None:
+            from PIL import Image
+
+            with Image.open(io.BytesIO(image)) as im:  # the header only: no decode
+                width, height = im.size
+                if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # turned a quarter on decode (images.from_wire)
+                    width, height = height, width
+            return int(patches_of(height, width, {})) // (self.merge * self.merge)
         counted = self.image_tokens(self.pixels_of(image))
         if counted:
             return int(counted[0])
@@ -159,7 +162,9 @@ class VisionInputs:
         if hit is not None:
             self._pixel_cache.move_to_end(key)
             return hit
-        out = self.image_processor(images=[decode_image(image)], return_tensors="pt")
+        from meshrl.rollout.images import from_wire
+
+        out = self.image_processor(images=[from_wire(image)], return_tensors="pt")
         tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         self._pixel_cache[key] = tensors
         if len(self._pixel_cache) > self._cache_size:
@@ -197,12 +202,11 @@ class VisionInputs:
         no image (Policy: FSDP needs every rank to run it)."""
         from PIL import Image
 
+        from meshrl.rollout.images import to_wire
         from meshrl.types import Datum
 
         if not hasattr(self, "_blank"):
-            out = io.BytesIO()
-            Image.new("RGB", (56, 56), "white").save(out, format="PNG")
-            self._blank = out.getvalue()
+            self._blank = to_wire(Image.new("RGB", (56, 56), "white"))
         tokens = [self.image_token_id] * self.tokens_per_image(self._blank) + [pad_id]
         return Datum(tokens, [0.0] * (len(tokens) - 1), images=(self._blank,))
 
