@@ -53,12 +53,18 @@ declare -A LAYOUT=(
   [gpus4]="--placement.gpus 4"
   [gpus4-fast]="--placement.gpus 4 $FAST"
   [gpus4-x4work]="--placement.gpus 4 --grpo.prompts-per-step 128"
+  # weak scaling (issue 33, bench/scaling.py): the job grown with the GPUs; FSDP's gradient reduce-scatter once a step
+  [gpus2-x2work]="--placement.gpus 2 --grpo.prompts-per-step 64"
+  [coloc2-x2work]="--placement.gpus 2 --trainer.num-procs 2 --grpo.prompts-per-step 64"
+  [gpus4-defer]="--placement.gpus 4 --trainer.defer-grad-sync"
+  [gpus4-x4work-defer]="--placement.gpus 4 --grpo.prompts-per-step 128 --trainer.defer-grad-sync"
   [coloc2-mb64]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1 --trainer.micro-batch-size 64"
   # no settings but the job's: what the GPU defaults choose on this machine (every GPU it has)
   [auto]=""
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
-       coloc2-mb64 split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work auto)
+       coloc2-mb64 split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work gpus2-x2work coloc2-x2work gpus4-defer
+       gpus4-x4work-defer auto)
 GPUS_NEEDED() { case "$1" in 1gpu* | auto) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")
@@ -148,31 +154,34 @@ import json, statistics, sys
 out, rows = sys.argv[1], sys.argv[2:]
 
 
-def overlap(intervals, steps):
-    """Generation ∩ training over the last `steps` step times, as a share of the shorter of the two."""
+def union(spans):
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def phases(intervals, steps):
+    """Over the last `steps` step times: (generation ∩ training as a share of the shorter of the two, seconds in
+    which some generator was generating)."""
     ends = [i["end"] for i in intervals if i["what"] in ("forward_backward", "push_weights")]
     if not ends or not steps:
-        return float("nan")
+        return float("nan"), float("nan")
     hi = max(ends)
     lo = hi - sum(steps)
     clip = lambda i: (max(i["start"], lo), min(i["end"], hi))  # noqa: E731
     gen = [clip(i) for i in intervals if i["actor"].startswith("generator") and i["what"] in ("generate", "pull_weights")]
     train = [clip(i) for i in intervals if i["actor"] == "trainer:0" and i["what"] == "forward_backward"]
+    generating = [clip(i) for i in intervals if i["actor"].startswith("generator") and i["what"] == "generate"]
     gen, train = [g for g in gen if g[1] > g[0]], [t for t in train if t[1] > t[0]]
-
-    def union(spans):
-        merged = []
-        for a, b in sorted(spans):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        return merged
-
     g, t = union(gen), union(train)
     both = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in g for a2, b2 in t)
     shorter = min(sum(b - a for a, b in g), sum(b - a for a, b in t))
-    return both / shorter if shorter > 0 else float("nan")
+    busy = sum(b - a for a, b in union([s for s in generating if s[1] > s[0]]))
+    return (both / shorter if shorter > 0 else float("nan")), busy
 
 
 results = []
@@ -187,10 +196,16 @@ for arg in rows:
     rl = [r for r in records if r.get("phase") == "rl"][2:]
     prompts = json.load(open(f"/tmp/gc/runs/{run}/config.json"))["grpo"]["prompts_per_step"]
     m = lambda k: statistics.median(r[k] for r in rl) if rl else float("nan")  # noqa: E731
+    last = rl[-5:]
+    overlap, generating_s = phases(intervals, [r["time_step_s"] for r in last])
     results.append({
         "run": run, "layout": layout, "tree": tree, "steps": len(rl), "step_s": m("time_step_s"),
         "generate_s": m("time_generate_s"), "train_s": m("time_train_s"), "sync_s": m("time_weight_sync_s"),
-        "overlap": overlap(intervals, [r["time_step_s"] for r in rl[-5:]]),
+        "overlap": overlap,
+        # generation tokens/s: the model tokens of the last steps over the time some generator was generating then;
+        # training tokens/s: prompt and completion tokens trained over the train phase (medians of the steps)
+        "generate_tokens_per_s": sum(r.get("tokens_generated", 0) for r in last) / generating_s if generating_s else 0.0,
+        "train_tokens_per_s": statistics.median(r.get("tokens_trained", 0) / r["time_train_s"] for r in rl) if rl else 0.0,
         "logprob_diff_mean": m("logprob_diff_mean"), "logprob_diff_max": max(r["logprob_diff_max"] for r in rl),
         "prompts_per_step": prompts, "tokens_per_s": m("tokens_per_s"),
         "step_times_s": [round(r["time_step_s"], 3) for r in rl],
@@ -210,14 +225,15 @@ for r in results:
     r["step_ratio"] = r.get("step_s", float("nan")) / base / r["work"]
 json.dump(results, open(f"{out}/gpu_check.json", "w"), indent=1)
 print(f"\n{'run':20} {'work':>4} {'step s':>7} {'ratio':>6} {'generate':>9} {'train':>6} {'sync s':>7} {'overlap':>8} "
-      f"{'diff mean':>9} {'tokens/s':>9} {'transport':>10}")
+      f"{'diff mean':>9} {'gen tok/s':>9} {'train tok/s':>11} {'peak GiB':>8} {'transport':>10}")
 for r in results:
     if r.get("failed"):
         print(f"{r['run']:20} FAILED (see gpu_check_{r['run']}.log)")
         continue
     print(f"{r['run']:20} {r['work']:4.0f} {r['step_s']:7.2f} {r['step_ratio']:6.2f} {r['generate_s']:9.2f} "
           f"{r['train_s']:6.2f} {r['sync_s']:7.3f} {r['overlap']:8.0%} {r['logprob_diff_mean']:9.4f} "
-          f"{r['tokens_per_s']:9.0f} {r['transport']:>10}")
+          f"{r['generate_tokens_per_s']:9.0f} {r['train_tokens_per_s']:11.0f} {r['peak_gib'] or 0:8.1f} "
+          f"{r['transport']:>10}")
 for r in results:
     if not r.get("failed"):
         print(f"{r['run']:20} steps {r['step_times_s']} train {r['train_times_s']} "

@@ -149,6 +149,8 @@ def rl_step(
         "epoch": sampler.epochs_done,
         "sampling_rounds": batch.rounds,
         "tokens_per_s": n_tokens / (t4 - t0),
+        "tokens_trained": n_tokens,  # prompt and completion tokens of the trained episodes
+        "tokens_generated": sum(batch.lengths()),  # the model's tokens of the trained episodes
         "time_generate_s": batch.time_generate_s,
         "time_score_s": batch.time_score_s,
         "time_advantages_s": t2 - t0 - batch.time_generate_s - batch.time_score_s,

@@ -144,6 +144,9 @@ def tiny_vlm_config(
     vision_hidden_size: int = 64,
     vision_depth: int = 2,
     vision_num_heads: int = 2,
+    vision_intermediate_size: int | None = None,
+    vision_window_tokens: int = 2,
+    vision_full_attention_every: int | None = None,
     initializer_range: float = 0.02,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
@@ -153,7 +156,10 @@ def tiny_vlm_config(
     `<|vision_start|>`, `<|vision_end|>` (keys: image, video, vision_start, vision_end). Default text head size
     64 / 2 = 32 (vLLM's CPU attention needs >= 32). The vision tower: `vision_depth` blocks; Qwen2.5-VL's last block
     attends over the whole image and the others over windows of 2×2 image tokens (real: 4×4 of 32 blocks, 4 full);
-    Qwen3-VL feeds its first block's output into the text model (deepstack; real: blocks 8, 16, 24 of 27)."""
+    Qwen3-VL feeds its first block's output into the text model (deepstack; real: blocks 8, 16, 24 of 27).
+    Qwen2.5-VL as released: `vision_window_tokens=4` (windows of 4×4 image tokens) and
+    `vision_full_attention_every=8`; with `vision_hidden_size=1280, vision_depth=32, vision_num_heads=16,
+    vision_intermediate_size=3420` the tower is the released one's size (bench/vision_gpu.py)."""
     import transformers
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -177,7 +183,7 @@ def tiny_vlm_config(
     vision = dict(
         depth=vision_depth,
         hidden_size=vision_hidden_size,
-        intermediate_size=2 * vision_hidden_size,
+        intermediate_size=vision_intermediate_size or 2 * vision_hidden_size,
         num_heads=vision_num_heads,
         patch_size=_FAMILY[arch]["patch_size"],
         spatial_merge_size=MERGE_SIZE,
@@ -200,7 +206,11 @@ def tiny_vlm_config(
             "rope_theta": 1_000_000.0,
             "mrope_section": mrope_section(arch, head_dim),
         }
-        vision.update(window_size=2 * MERGE_SIZE * vision["patch_size"], fullatt_block_indexes=[vision_depth - 1])
+        every = vision_full_attention_every or vision_depth
+        vision.update(
+            window_size=vision_window_tokens * MERGE_SIZE * vision["patch_size"],
+            fullatt_block_indexes=list(range(every - 1, vision_depth, every)),
+        )
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
     if arch == "qwen3_vl":
         text["head_dim"] = head_dim
@@ -294,7 +304,7 @@ def create_tiny_vlm(
     weights) and save it at `out_dir` with its tokenizer (`vlm_tokenizer`: `vocab_size`, `texts`), chat template and
     processor files, atomically (temp dir + rename; an existing `out_dir` is replaced). `sizes`: `tiny_vlm_config`'s
     keywords (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings,
-    vision_hidden_size, vision_depth, vision_num_heads, initializer_range). `min_pixels` / `max_pixels`: the image
+    vision_hidden_size, vision_depth, vision_num_heads, vision_*, initializer_range). `min_pixels` / `max_pixels`: the image
     processor's resize bounds (default `default_pixels(arch)`). Returns `out_dir` as a Path."""
     import transformers
 
