@@ -55,7 +55,7 @@ declare -A LAYOUT=(
   [gpus4-x4work]="--placement.gpus 4 --grpo.prompts-per-step 128"
   # weak scaling (issue 33, bench/scaling.py): the job grown with the GPUs; FSDP's gradient reduce-scatter once a step
   [gpus2-x2work]="--placement.gpus 2 --grpo.prompts-per-step 64"
-  [coloc2-x2work]="--placement.gpus 2 --trainer.num-procs 2 --grpo.prompts-per-step 64"
+  [coloc2-x2work]="--placement.gpus 2 --placement.layout colocated --grpo.prompts-per-step 64"
   [gpus4-defer]="--placement.gpus 4 --trainer.defer-grad-sync"
   [gpus4-x4work-defer]="--placement.gpus 4 --grpo.prompts-per-step 128 --trainer.defer-grad-sync"
   [coloc2-mb64]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1 --trainer.micro-batch-size 64"

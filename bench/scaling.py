@@ -6,6 +6,7 @@ call, how each phase scales.
     python3 bench/scaling.py                    # the rows this machine's GPUs allow (1, 2, 4 GPUs), one call
     python3 bench/scaling.py --rows 1gpu gpus2-x2work coloc2-x2work
     python3 bench/scaling.py --from-dir results/h100x4-...   # re-read a call's gpu_check.json (no GPU needed)
+    python3 bench/scaling.py --from-dir $OUT/a $OUT/b         # rows of two gpu_check.sh runs of one call, joined
 
 Per row: step time (and per unit of work, against one GPU), generation tokens/s (model tokens over the time some
 generator was generating), training tokens/s (tokens over the train phase), weight-sync time, overlap of generation
@@ -94,12 +95,12 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", help="gpu_check.sh layouts (default: ROWS for this machine's GPUs)")
-    ap.add_argument("--from-dir", help="a directory holding a call's gpu_check.json: read it, run nothing")
+    ap.add_argument("--from-dir", nargs="*", help="directories holding gpu_check.json of one call: read, run nothing")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     if args.from_dir:
-        source = Path(args.from_dir) / "gpu_check.json"
+        sources = [Path(d) / "gpu_check.json" for d in args.from_dir]
     else:
         import torch
 
@@ -109,8 +110,8 @@ def main() -> int:
         rc = subprocess.run(["bash", str(here / "gpu_check.sh"), *rows], cwd=here.parent).returncode
         if rc:
             return rc
-        source = out / "gpu_check.json"
-    table = scaling_table(json.loads(source.read_text()))
+        sources = [out / "gpu_check.json"]
+    table = scaling_table([row for source in sources for row in json.loads(source.read_text())])
     (out / "scaling.json").write_text(json.dumps(table, indent=1))
     print_table(table)
     return 0

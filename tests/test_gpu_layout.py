@@ -98,6 +98,25 @@ def test_trainer_ranks_on_every_gpu_are_colocated_with_a_generator_each():
     assert cfg.generator.num_replicas == 3 and "not a measured layout" in cfg.gpu_layout_note()
 
 
+def test_placement_layout_names_split_or_colocated_for_any_count():
+    coloc = parse_run_config(
+        GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "2", "--placement.layout", "colocated"]
+    )  # --trainer.num-procs 2 is the CPU default, so it cannot ask for this; the layout flag can
+    assert (coloc.trainer.devices, coloc.generator.devices, coloc.grpo.max_staleness) == ([0, 1], [0, 1], 0)
+    assert coloc.trainer.micro_batch_size == 64 and "colocated" in coloc.gpu_layout_note()
+    for gpus, trainer in ((2, [0]), (4, [0, 1]), (8, [0, 1, 2, 3])):
+        split = gpu_layout(gpus, layout="split")
+        assert (split.trainer_gpus, split.asynchronous) == (trainer, True)
+        assert gpu_layout(gpus, layout="colocated").generator_gpus == list(range(gpus))
+    with pytest.raises(ConfigError, match="--placement.layout split with --placement.gpus 1: splitting needs a GPU"):
+        gpu_layout(1, layout="split")
+    placement = GRPORunConfig().placement
+    with pytest.raises(ConfigError, match=r"--placement.layout 'ring': use one of auto, split, colocated"):
+        dataclasses.replace(placement, gpus=2, layout="ring")
+    with pytest.raises(ConfigError, match="--placement.layout colocated lays out --placement.gpus N"):
+        dataclasses.replace(placement, layout="colocated")
+
+
 def test_layouts_that_cannot_apply_are_refused_naming_the_flag():
     base = GRPORunConfig()
     with pytest.raises(ConfigError, match=r"--placement.gpus 0: give 1 or more GPUs"):

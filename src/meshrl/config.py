@@ -216,7 +216,7 @@ class GRPORunConfig:
         placed = self.trainer.devices is not None
         if not placed:
             chosen = self.trainer.num_procs == TrainerConfig.num_procs  # the CPU default: the layout chooses
-            layout = gpu_layout(gpus, None if chosen else self.trainer.num_procs)
+            layout = gpu_layout(gpus, None if chosen else self.trainer.num_procs, self.placement.layout)
             trainer_gpus = layout.trainer_gpus
             self.trainer = replace(self.trainer, num_procs=len(trainer_gpus), devices=trainer_gpus)
         trainer_gpus = set(self.trainer.devices)
@@ -247,7 +247,7 @@ class GRPORunConfig:
         gpus = self.placement.gpus
         if gpus is None:
             return None
-        ranks, chosen = self.trainer.num_procs, gpu_layout(gpus)
+        ranks, chosen = self.trainer.num_procs, gpu_layout(gpus, layout=self.placement.layout)
         measured = (self.trainer.devices, self.generator.devices) == (chosen.trainer_gpus, chosen.generator_gpus)
         if not measured and ranks == gpus and self.generator.devices == self.trainer.devices:
             measured, chosen = True, gpu_layout(gpus, ranks)  # colocated, as --trainer.num-procs asked

@@ -41,26 +41,43 @@ class GpuLayout:
     why: str
 
 
-def gpu_layout(gpus: int, trainer_ranks: int | None = None) -> GpuLayout:
-    """The layout for `gpus` GPUs of one machine. `trainer_ranks`: the user's --trainer.num-procs (None: chosen).
+GPU_LAYOUTS = ("auto", "split", "colocated")
 
-    1 GPU: everything shares it, synchronously. N >= 2: the trainer gets the first half of the GPUs (a power of two
-    ranks, so that batches of powers of two split evenly over them) and generators the rest, one per GPU, and the
-    loop runs one version ahead: generation on its own GPUs overlaps training, weights cross by CUDA IPC in
-    milliseconds. Measured on 2 and 4 H100s (MEASURED_GPU_LAYOUTS); other counts follow the same rule, unmeasured.
-    Trainer ranks given for every GPU: colocated (a generator on each trainer GPU, the synchronous loop)."""
+
+def gpu_layout(gpus: int, trainer_ranks: int | None = None, layout: str = "auto") -> GpuLayout:
+    """The layout for `gpus` GPUs of one machine. `trainer_ranks`: the user's --trainer.num-procs (None: chosen).
+    `layout` (--placement.layout): 'auto' (the measured fastest), 'split' or 'colocated'.
+
+    split (auto for N >= 2): the trainer gets the first half of the GPUs (a power of two ranks, so that batches of
+    powers of two split evenly over them) and generators the rest, one per GPU, and the loop runs one version ahead:
+    generation on its own GPUs overlaps training, weights cross by CUDA IPC in milliseconds. Measured on 2 and 4
+    H100s (MEASURED_GPU_LAYOUTS); other counts follow the same rule, unmeasured.
+    colocated (auto for 1 GPU, and where the trainer ranks given take every GPU): a trainer rank and a generator on
+    every GPU, taking turns (the synchronous loop), as verl and OpenRLHF lay out a node."""
     if gpus < 1:
         raise ConfigError(f"--placement.gpus {gpus}: give 1 or more GPUs")
+    if layout not in GPU_LAYOUTS:
+        raise ConfigError(f"--placement.layout {layout!r}: use one of {', '.join(GPU_LAYOUTS)}")
     if trainer_ranks is not None and trainer_ranks > gpus:
         raise ConfigError(
             f"--placement.gpus {gpus} with --trainer.num-procs {trainer_ranks}: one trainer rank per GPU at most; "
             f"use --trainer.num-procs {gpus} or fewer (or place the ranks with --trainer.devices)"
         )
+    if layout == "split" and (gpus < 2 or trainer_ranks == gpus):
+        raise ConfigError(
+            f"--placement.layout split with --placement.gpus {gpus}"
+            + (f" and --trainer.num-procs {trainer_ranks}" if trainer_ranks == gpus else "")
+            + ": splitting needs a GPU for the generators that no trainer rank takes; give more GPUs, fewer "
+            "trainer ranks, or --placement.layout colocated"
+        )
     if trainer_ranks is None:
-        trainer_ranks = 1 << max(gpus // 2, 1).bit_length() - 1  # the largest power of two <= gpus // 2 (>= 1)
+        if layout == "colocated":
+            trainer_ranks = gpus
+        else:  # the largest power of two <= gpus // 2 (>= 1)
+            trainer_ranks = 1 << max(gpus // 2, 1).bit_length() - 1
     trainer = list(range(trainer_ranks))
-    if trainer_ranks == gpus:  # colocated: a generator beside every trainer rank
-        measured = MEASURED_GPU_LAYOUTS[1] if gpus == 1 else "colocated, as asked by --trainer.num-procs"
+    if trainer_ranks == gpus or layout == "colocated":  # a generator beside every trainer rank, on every GPU
+        measured = MEASURED_GPU_LAYOUTS[1] if gpus == 1 else "colocated, as asked"
         return GpuLayout(trainer, list(range(gpus)), False, SHARED_MICRO_BATCH_PER_RANK * trainer_ranks, measured)
     measured = MEASURED_GPU_LAYOUTS.get(gpus, "the rule measured on 2 and 4 GPUs; this count is not measured yet")
     return GpuLayout(
@@ -141,9 +158,14 @@ class PlacementConfig:
     others, weights across by CUDA IPC, the asynchronous loop (--grpo.max-staleness 1: samples are one policy
     version old), micro-batches of up to 128 sequences per trainer rank (the trainer has its GPUs to itself; the
     token budget still bounds each call). Measured: 2 GPUs 0.42x and 4 GPUs 0.29x the one-GPU step on H100s (same
-    job); other counts follow the same rule, not measured yet. --trainer.num-procs N (every GPU): colocated, a
-    generator beside each rank, synchronous. Unset: every process on the default GPU unless --trainer.devices /
+    job); other counts follow the same rule, not measured yet. --placement.layout colocated (or --trainer.num-procs N
+    for every GPU; 2, the CPU default, reads as unset): a generator beside each rank, synchronous. Unset: every
+    process on the default GPU unless --trainer.devices /
     --generator.devices say otherwise. The run prints the layout and why."""
+    layout: str = "auto"
+    """With --placement.gpus: 'auto' (the layout measured fastest for the count, above), 'split' (trainer ranks on
+    the first half of the GPUs, generators on the rest, the asynchronous loop) or 'colocated' (a trainer rank and a
+    generator on every GPU, taking turns: the synchronous loop, as verl and OpenRLHF lay out a node)."""
     k8s_kubeconfig: str | None = None
     """k8s: a kubeconfig file, for a controller outside the cluster (Monarch port-forwards to a pod). Unset: the
     controller runs in the cluster (a pod or Job) and uses the in-cluster config."""
@@ -174,6 +196,13 @@ class PlacementConfig:
             )
         if self.start_timeout_s is not None and self.start_timeout_s <= 0:
             raise ConfigError(f"--placement.start-timeout-s={self.start_timeout_s} must be > 0 (or unset: no limit)")
+        if self.layout not in GPU_LAYOUTS:
+            raise ConfigError(f"--placement.layout {self.layout!r}: use one of {', '.join(GPU_LAYOUTS)}")
+        if self.layout != "auto" and self.gpus is None:
+            raise ConfigError(
+                f"--placement.layout {self.layout} lays out --placement.gpus N: give the GPU count too (or place "
+                "the processes with --trainer.devices / --generator.devices)"
+            )
         if self.gpus is not None:
             self._check_gpus()
         if self.kind == "slurm":

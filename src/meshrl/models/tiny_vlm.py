@@ -304,8 +304,8 @@ def create_tiny_vlm(
     weights) and save it at `out_dir` with its tokenizer (`vlm_tokenizer`: `vocab_size`, `texts`), chat template and
     processor files, atomically (temp dir + rename; an existing `out_dir` is replaced). `sizes`: `tiny_vlm_config`'s
     keywords (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings,
-    vision_hidden_size, vision_depth, vision_num_heads, vision_*, initializer_range). `min_pixels` / `max_pixels`: the image
-    processor's resize bounds (default `default_pixels(arch)`). Returns `out_dir` as a Path."""
+    vision_hidden_size, vision_depth, vision_num_heads, the other vision_* sizes, initializer_range). `min_pixels` /
+    `max_pixels`: the image processor's resize bounds (default `default_pixels(arch)`). Returns `out_dir` as a Path."""
     import transformers
 
     from meshrl.models.tiny_hf import seeded_model, special_token_ids
