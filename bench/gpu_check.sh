@@ -57,6 +57,9 @@ declare -A LAYOUT=(
   [gpus2-x2work]="--placement.gpus 2 --grpo.prompts-per-step 64"
   [coloc2-x2work]="--placement.gpus 2 --placement.layout colocated --grpo.prompts-per-step 64"
   [gpus4-defer]="--placement.gpus 4 --trainer.defer-grad-sync"
+  # the trainer alone, one rank and two, at the same per-rank call size (a fixed token budget), one generator
+  [split-x2work-b32k]="--trainer.devices 0 --generator.devices 1 --grpo.max-staleness 1 --trainer.micro-batch-size 128 --grpo.prompts-per-step 64 --trainer.max-tokens-per-micro-batch 32768"
+  [split3-2tr-x4work-b32k]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.devices 2 --grpo.max-staleness 1 --trainer.micro-batch-size 256 --grpo.prompts-per-step 128 --trainer.max-tokens-per-micro-batch 32768"
   [gpus4-x4work-defer]="--placement.gpus 4 --grpo.prompts-per-step 128 --trainer.defer-grad-sync"
   [coloc2-mb64]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1 --trainer.micro-batch-size 64"
   # no settings but the job's: what the GPU defaults choose on this machine (every GPU it has)
@@ -64,8 +67,8 @@ declare -A LAYOUT=(
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
        coloc2-mb64 split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work gpus2-x2work coloc2-x2work gpus4-defer
-       gpus4-x4work-defer auto)
-GPUS_NEEDED() { case "$1" in 1gpu* | auto) echo 1 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
+       gpus4-x4work-defer split-x2work-b32k split3-2tr-x4work-b32k auto)
+GPUS_NEEDED() { case "$1" in 1gpu* | auto) echo 1 ;; split3*) echo 3 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then  # the check (one device call): 1 GPU, the 2- and 4-GPU defaults, tests

@@ -34,7 +34,7 @@ ROWS = {
 # GPUs each layout uses, and how many of them train and generate (for the per-phase efficiency).
 GPUS = {"1gpu": (1, 1, 1), "gpus2": (2, 1, 1), "gpus2-x2work": (2, 1, 1), "coloc2-x2work": (2, 2, 2),
         "coloc2-mb64": (2, 2, 2), "gpus4": (4, 2, 2), "gpus4-x4work": (4, 2, 2), "gpus4-defer": (4, 2, 2),
-        "gpus4-x4work-defer": (4, 2, 2)}  # fmt: skip
+        "gpus4-x4work-defer": (4, 2, 2), "split-x2work-b32k": (2, 1, 1), "split3-2tr-x4work-b32k": (3, 2, 1)}  # fmt: skip
 
 
 def efficiency(ratio: float, doublings: float) -> float:
@@ -56,9 +56,10 @@ def scaling_table(results: list[dict]) -> list[dict]:
         train_ratio = r["train_tokens_per_s"] / base["train_tokens_per_s"]
         gen_ratio = r["generate_tokens_per_s"] / base["generate_tokens_per_s"]
         # weak scaling: the step for `work` times the job, against the one-GPU step for the job
-        step_per_work = r["step_s"] / r["work"] / base["step_s"]
+        work = r["prompts_per_step"] / base["prompts_per_step"]
+        step_per_work = r["step_s"] / work / base["step_s"]
         rows.append({
-            "run": r["run"], "layout": r["layout"], "gpus": gpus, "work": r["work"], "step_s": r["step_s"],
+            "run": r["run"], "layout": r["layout"], "gpus": gpus, "work": work, "step_s": r["step_s"],
             "step_per_work": step_per_work, "weak_efficiency": efficiency(1 / step_per_work, math.log2(gpus or 1)),
             "generate_tokens_per_s": r["generate_tokens_per_s"], "generate_ratio": gen_ratio,
             "generate_efficiency": efficiency(gen_ratio, math.log2(generator_gpus or 1)),
