@@ -47,7 +47,9 @@ def efficiency(ratio: float, doublings: float) -> float:
 
 def scaling_table(results: list[dict]) -> list[dict]:
     """Per row of gpu_check.json: the figures and their ratios to the first one-GPU row."""
-    base = next((r for r in results if not r.get("failed") and GPUS.get(r["layout"], (0,))[0] == 1), None)
+    ok = [r for r in results if not r.get("failed")]
+    # the one-GPU row; without one (a call of other rows only), the first row: ratios are then to it
+    base = next((r for r in ok if GPUS.get(r["layout"], (0,))[0] == 1), ok[0] if ok else None)
     rows = []
     for r in results:
         if r.get("failed") or base is None:
