@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tyro
 
@@ -128,3 +128,21 @@ def stop_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    quiet_monarch_exit_timeout()
+
+
+def quiet_monarch_exit_timeout() -> None:
+    """Monarch shuts its client down at interpreter exit with a 1 s limit; after a host was lost, or on a loaded
+    machine, that wait can run out, and Python printed its TimeoutError as a traceback under the run's own last
+    words ("Exception ignored in atexit callback"). Said in one line instead; any other unraisable error as before."""
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        where = getattr(unraisable.object, "__module__", "") or ""
+        if unraisable.exc_type is TimeoutError and "atexit" in (unraisable.err_msg or "") and "monarch" in where:
+            print("[meshrl] Monarch's shutdown did not finish within its 1 s at exit (a host gone, or a busy "
+                  "machine); exiting anyway", file=sys.stderr)  # fmt: skip
+            return
+        default(unraisable)
+
+    sys.unraisablehook = hook

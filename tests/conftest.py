@@ -33,6 +33,7 @@ torch.set_num_threads(1)
 # parametrizations); a test that requests a fixture of FIXTURE_LANES gets that fixture's lane unless it is `e2e`.
 # A `unit` test that starts a process fails, naming these tables (see _in_process_only).
 MODULE_LANES = {
+    "test_cli_exit": "actors",  # a Python child, to run its exit
     "test_algorithms_actors": "actors",
     "test_env_processes": "actors",
     "test_paused_controller": "actors",
