@@ -8,7 +8,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.devices import pin_process
+from meshrl.devices import freeze_startup_heap, pin_process
 from meshrl.generation.base import Engine
 from meshrl.timeline import BusyLog
 from meshrl.types import Completion, SamplingParams
@@ -66,6 +66,7 @@ class Generator(Actor):
             from meshrl.generation.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(self.model_dir, c.vllm, **shared)
+        freeze_startup_heap()
         return {
             "policy_version": self.policy_version,
             "max_model_len": self.engine.max_model_len,

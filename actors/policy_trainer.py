@@ -8,7 +8,7 @@ import os
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshrl.devices import machine_identity, pin_process
+from meshrl.devices import freeze_startup_heap, machine_identity, pin_process
 from meshrl.timeline import BusyLog
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
 from meshrl.weight_sync.pubsub import StorePublisher, make_publisher
@@ -45,6 +45,7 @@ class PolicyTrainer(Actor):
         from meshrl.policy import policy_from_env
 
         self.policy = policy_from_env(self.model_dir, self.model_cfg, self.trainer_cfg, self.pad_id)
+        freeze_startup_heap()
         return self._info()
 
     @endpoint

@@ -28,6 +28,9 @@ class ReferenceModel(Actor):
         # Eval mode, as the trainer's (HFBackend keeps its model there): the reference logprobs of a model with
         # dropout must be the deterministic ones the KL term compares against, not a dropped-out sample.
         self.policy.model.eval()
+        from meshrl.devices import freeze_startup_heap
+
+        freeze_startup_heap()
         return {"rank": self.policy.rank, "world_size": self.policy.world_size, "pid": os.getpid()}
 
     @endpoint

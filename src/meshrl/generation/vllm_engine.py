@@ -185,6 +185,7 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
         )
+        _skip_inprocess_teardown_at_exit(self.llm)
         model_config = self.llm.llm_engine.model_config
         self._max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -478,3 +479,15 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _skip_inprocess_teardown_at_exit(llm: Any) -> None:
+    """vLLM tears an in-process engine (the engine core in this process, as on CPU) down at interpreter exit: a
+    weakref finaliser unfreezes the whole heap, destroys its process groups and runs gc.collect, which took ~5 s of
+    every generator process's stop, and so of every run's end. The process is ending and the OS frees all of it, so
+    that finaliser does not run at exit (`shutdown` still runs it on demand). A multiprocess engine's finaliser,
+    which ends the engine core's process, is left as it is."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None and type(client).__name__ == "InprocClient":
+        finalizer.atexit = False
