@@ -76,8 +76,24 @@ def freeze_startup_heap() -> None:
     collector's sight, once a process is set up. At exit Python's last collection walked that whole heap: ~2.5 s of
     every trainer process's stop, so of every run's end (py-spy: gc_collect_main). It also spares the collections
     during training from re-walking it; objects made later are collected as usual. (vLLM freezes its engine's
-    startup objects for the same reason.)"""
+    startup objects for the same reason.)
+
+    What stays frozen is still alive when the interpreter tears its modules down, and nanobind-built extensions
+    (triton's) then print a page of "leaked ..." lines per process. Nothing of the run is said at that point (the
+    process was asked to stop, its errors already went to the controller), so its stderr goes to /dev/null from the
+    first exit handler on."""
+    import atexit
     import gc
 
     gc.collect()
     gc.freeze()
+    atexit.register(_silence_stderr)
+
+
+def _silence_stderr() -> None:
+    import sys
+
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
