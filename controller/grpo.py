@@ -323,7 +323,8 @@ def main(
                 return {"stopped_at": done, "checkpoint": stopped, "run_dir": str(run.path)}
 
         # ---- The end: the timeline, held-out evaluation after RL, the last checkpoint, the HF export -------------
-        timeline = write_timeline(run, ctl.timeline(), rl_window=[r for r in run.read_metrics() if r["phase"] == "rl"])
+        rl_window = [r for r in run.read_metrics() if r["phase"] == "rl"]
+        timeline = write_timeline(run, ctl.timeline(), rl_window=rl_window, plot=cfg.log.plots)
         after = run_eval("after_rl", cfg.grpo.steps)
         last_ckpt = ckpts.save(ctl, cfg.grpo.steps, checkpoint_state())
         final_dir = ctl.export_hf(str(run.path / "final_model"))
@@ -377,6 +378,7 @@ def write_summary(
     """summary.json and the closing lines, over the whole run's metrics: a resumed run appended to the records of
     the run it continues."""
     rl = [r for r in run.read_metrics() if r.get("phase") == "rl"]
+    plots = cfg.log.plots
     k = min(5, len(rl))
     first = statistics.fmean(r["reward_mean"] for r in rl[:k]) if rl else float("nan")
     last = statistics.fmean(r["reward_mean"] for r in rl[-k:]) if rl else float("nan")
@@ -395,24 +397,30 @@ def write_summary(
         "final_checkpoint": final_dir,
         "resumable_checkpoint": last_ckpt,
         "metrics": str(run.metrics_path),
-        "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")),
-        "training_plot": str(plot_training(rl, run.path / "training.png", logprob_gap_warn=cfg.log.logprob_gap_warn)),
+        "reward_plot": str(plot_rewards(run.read_metrics(), run.path / "reward_curve.png")) if plots else None,
+        "training_plot": (
+            str(plot_training(rl, run.path / "training.png", logprob_gap_warn=cfg.log.logprob_gap_warn))
+            if plots
+            else None
+        ),
         "timeline": timeline,
     }
     run.write_json("summary.json", summary)
     print(f"[meshrl] reward: first 5 steps {first:.3f} → last 5 steps {last:.3f} (gain {last - first:+.3f})")
     print(f"[meshrl] held-out (correct = {verifier} >= 1), before RL: {describe_eval(before)}")
     print(f"[meshrl] held-out (correct = {verifier} >= 1), after RL:  {describe_eval(after)}")
+    drawn = f"[meshrl] plot:       {summary['reward_plot']}\n[meshrl] dashboard:  {summary['training_plot']}\n"
     print(
-        f"[meshrl] metrics:    {summary['metrics']}\n[meshrl] plot:       {summary['reward_plot']}\n"
-        f"[meshrl] dashboard:  {summary['training_plot']}\n"
+        f"[meshrl] metrics:    {summary['metrics']}\n{drawn if plots else ''}"
         f"[meshrl] checkpoint: {final_dir} (HF format); {last_ckpt} (resumable)\n"
         f"[meshrl] summary:    {run.path / 'summary.json'}"
     )
     return summary
 
 
-def write_timeline(run: RunDir, intervals: list[dict], *, rl_window: list[dict], last_steps: int = 5) -> str:
+def write_timeline(
+    run: RunDir, intervals: list[dict], *, rl_window: list[dict], last_steps: int = 5, plot: bool = True
+) -> str:
     """The actors' busy intervals of the run (this process's part of it, after a resume) as `timeline.jsonl`, and
     the last `last_steps` RL steps as `timeline.png`: where generation, scoring, training and weight sync overlap."""
     import json
@@ -423,7 +431,7 @@ def write_timeline(run: RunDir, intervals: list[dict], *, rl_window: list[dict],
             f.write(json.dumps(interval) + "\n")
     steps = [r["time_step_s"] for r in rl_window[-last_steps:] if "time_step_s" in r]
     ends = [i["end"] for i in intervals if i["what"] in ("forward_backward", "push_weights")]
-    if steps and ends:
+    if plot and steps and ends:
         end = max(ends)
         start = end - sum(steps) * 1.02
         recent = [i for i in intervals if i["end"] >= start and i["start"] <= end]

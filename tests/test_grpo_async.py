@@ -32,6 +32,7 @@ FLAGS = [
     "--preset", "tiny-reverse", "--warmup.steps", "2", "--warmup.batch-size", "16", "--grpo.steps", str(STEPS),
     "--grpo.prompts-per-step", "4", "--generator.engine", "transformers", "--grpo.dynamic-sampling",
     "--trainer.num-procs", "1",  # several ranks resume bitwise in test_grpo_resume; here: the loop running ahead
+    "--log.plots",  # timeline.png (the test suite turns plots off elsewhere)
     "--trainer.micro-batch-size", "16", "--reverse.num-train", "18", "--reverse.num-eval", "4", "--eval.every", "2",
     "--eval.samples", "2", "--run.save-every", "2", "--run.call-timeout-s", "120", "--grpo.max-staleness", "1",
     # The task's reward, plus a function from this module that adds 0 (slowly where REWARD_DELAY is set).

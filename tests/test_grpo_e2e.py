@@ -35,6 +35,7 @@ def run_dir(tmp_path_factory):
         "meshrl.controller.grpo",
         "--preset",
         "tiny-reverse",
+        "--log.plots",  # the test suite turns them off elsewhere (tests/conftest.py)
         "--warmup.steps",
         "3",
         "--grpo.steps",

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +48,10 @@ class LogConfig:
     """The Weights & Biases project (with --log.backends ...,wandb). WANDB_MODE=offline keeps the run local."""
     wandb_entity: str | None = None
     """The Weights & Biases entity (team or user); default: your wandb default."""
+    plots: bool = field(default_factory=lambda: os.environ.get("MESHRL_PLOTS", "1") != "0")
+    """Draw reward_curve.png, training.png and timeline.png at the end of a GRPO run (matplotlib: ~3 s on a small
+    CPU). --log.no-plots, or MESHRL_PLOTS=0 in the environment (the test suite sets it), skips them; metrics.jsonl
+    and timeline.jsonl hold the same numbers."""
 
     def __post_init__(self) -> None:
         names = self.backend_names
