@@ -40,6 +40,7 @@ def parse_run_config(
         del args[i : i + 2]
     if preset not in presets:
         sys.exit(f"unknown preset {preset!r}; presets: {sorted(presets)}")
+    args = _colocate_when_ranks_fill_the_gpus(args)
     listing = "\n".join(f"  {name}: {_first_line(fn)}" for name, fn in presets.items())
     try:
         cfg = tyro.cli(
@@ -52,6 +53,27 @@ def parse_run_config(
         return _gpu_defaults(cfg, args, presets[preset], cls)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (as `--flag V` or `--flag=V`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _colocate_when_ranks_fill_the_gpus(args: list[str]) -> list[str]:
+    """`--placement.gpus N --trainer.num-procs N` asks for a trainer rank on every GPU: the colocated layout. The
+    config cannot tell a given `--trainer.num-procs 2` from the CPU default 2 (it would lay 2 GPUs out split), so
+    the flags say it here, unless --placement.layout is given."""
+    gpus, ranks = _flag_value(args, "--placement.gpus"), _flag_value(args, "--trainer.num-procs")
+    if gpus is not None and gpus == ranks and _flag_value(args, "--placement.layout") is None:
+        return [*args, "--placement.layout", "colocated"]
+    return args
 
 
 def _gpu_defaults(cfg: T, args: list[str], preset: Callable[[], T], cls: type[T]) -> T:

@@ -101,9 +101,16 @@ def test_trainer_ranks_on_every_gpu_are_colocated_with_a_generator_each():
 def test_placement_layout_names_split_or_colocated_for_any_count():
     coloc = parse_run_config(
         GRPORunConfig, argv=["--trainer.device", "cuda", "--placement.gpus", "2", "--placement.layout", "colocated"]
-    )  # --trainer.num-procs 2 is the CPU default, so it cannot ask for this; the layout flag can
+    )
     assert (coloc.trainer.devices, coloc.generator.devices, coloc.grpo.max_staleness) == ([0, 1], [0, 1], 0)
     assert coloc.trainer.micro_batch_size == 64 and "colocated" in coloc.gpu_layout_note()
+    # a rank for each of 2 GPUs, given as a flag, though 2 is also the CPU default of --trainer.num-procs
+    ranks = parse_run_config(GRPORunConfig, argv=["--placement.gpus", "2", "--trainer.num-procs", "2"])
+    assert (ranks.trainer.devices, ranks.generator.devices, ranks.grpo.max_staleness) == ([0, 1], [0, 1], 0)
+    split = parse_run_config(
+        GRPORunConfig, argv=["--placement.gpus", "2", "--trainer.num-procs=2", "--placement.layout", "auto"]
+    )
+    assert (split.trainer.devices, split.generator.devices) == ([0], [1])  # the layout flag, when given, decides
     for gpus, trainer in ((2, [0]), (4, [0, 1]), (8, [0, 1, 2, 3])):
         split = gpu_layout(gpus, layout="split")
         assert (split.trainer_gpus, split.asynchronous) == (trainer, True)

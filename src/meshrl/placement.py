@@ -159,7 +159,7 @@ class PlacementConfig:
     version old), micro-batches of up to 128 sequences per trainer rank (the trainer has its GPUs to itself; the
     token budget still bounds each call). Measured: 2 GPUs 0.42x and 4 GPUs 0.29x the one-GPU step on H100s (same
     job); other counts follow the same rule, not measured yet. --placement.layout colocated (or --trainer.num-procs N
-    for every GPU; 2, the CPU default, reads as unset): a generator beside each rank, synchronous. Unset: every
+    on the command line for N GPUs): a generator beside each rank, synchronous. Unset: every
     process on the default GPU unless --trainer.devices /
     --generator.devices say otherwise. The run prints the layout and why."""
     layout: str = "auto"
