@@ -116,8 +116,12 @@ fi
 JOB="--model.path /tmp/gc/model --generator.max-model-len 320 --generator.max-tokens 256
   --task arithmetic --arithmetic.num-eval 32 --reward exact=1.0 --eval.verifier exact --grpo.prompts-per-step 32
   --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir /tmp/gc/runs"
-EXPLICIT="--run.no-gpu-defaults --model.backend hf --model.dtype bfloat16 --trainer.device cuda --trainer.num-procs 1
+EXPLICIT="--run.no-gpu-defaults --model.backend hf --model.dtype bfloat16 --trainer.device cuda
   --generator.engine transformers --generator.dtype bfloat16"
+# One trainer rank unless the layout says otherwise. Not for --placement.gpus rows: a --trainer.num-procs given there is
+# the user's count, and the layout would keep it (the 4-GPU rows ran one trainer rank this way until 2026-11-27).
+explicit() { case " $1 " in *" --placement.gpus "* | *" --trainer.num-procs "*) echo "$EXPLICIT" ;;
+  *) echo "$EXPLICIT --trainer.num-procs 1" ;; esac; }
 read -r -a trees <<< "${GPU_CHECK_TREES:-.}"
 assemble() {  # the meshrl namespace of tree $1 as pyproject's package-dir lays it out, under /tmp/gc/pkg$2
   rm -rf "/tmp/gc/pkg$2" && mkdir -p "/tmp/gc/pkg$2" && cp -r "$1/src/meshrl" "/tmp/gc/pkg$2/" || return 1
@@ -143,7 +147,7 @@ for name in "${names[@]}"; do
     rm -rf "/tmp/gc/runs/$run"  # a run of an earlier call on this machine: never read as this one's
     echo "== $run: ${LAYOUT[$name]} ($tree)"
     (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
-      python3 -m meshrl.controller.grpo $JOB $([ "$name" = auto ] || echo "$EXPLICIT") ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
+      python3 -m meshrl.controller.grpo $JOB $([ "$name" = auto ] || explicit "${LAYOUT[$name]}") ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
       | grep -v -E "Warning|warnings.warn" > "$OUT/gpu_check_$run.log"; tail -4 "$OUT/gpu_check_$run.log"; \
       grep -E "weight sync:|placement:" "$OUT/gpu_check_$run.log")
     for f in metrics.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
