@@ -95,6 +95,27 @@ def test_a_cpu_preset_stays_on_cpu_and_says_why(monkeypatch, capsys):
     assert "[meshrl] gpu defaults: not applied (2 GPU(s) seen)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_the_gpu_preset_takes_the_gpu_defaults(monkeypatch, gpus):
+    """gpu-math states the job (a 'small' Qwen3 made in code, three-digit arithmetic, SFT then GRPO) and leaves every
+    GPU setting to the defaults; on a CPU it stays a CPU config."""
+    from meshrl.models.qwen3 import hf_config_dict
+
+    _describe(monkeypatch, gpus=gpus, vllm=False)
+    cfg = parse_run_config(GRPORunConfig, argv=["--preset", "gpu-math"])
+    layout = gpu_layout(gpus)
+    assert (cfg.trainer.device, cfg.model.dtype, cfg.model.backend, cfg.generator.engine) == (
+        "cuda", "bfloat16", "hf", "transformers")  # fmt: skip
+    assert (cfg.placement.gpus, cfg.trainer.devices, cfg.generator.devices) == (
+        gpus, layout.trainer_gpus, layout.generator_gpus)  # fmt: skip
+    assert (cfg.task, cfg.model.flavor, cfg.warmup.steps > 0, cfg.trainer.master_dtype) == (
+        "arithmetic", "small", True, "float32")  # fmt: skip
+    hf = hf_config_dict("small", 512)  # ~63M parameters: 16 layers of 512, tied embeddings
+    layer = 512 * (512 + 2 * 256) + 512 * 512 + 3 * 512 * 2048
+    assert 55e6 < hf["num_hidden_layers"] * layer + 512 * 512 < 70e6
+    assert PRESETS["gpu-math"]().trainer.device == "cpu"
+
+
 def test_switched_off_or_cpu_asked_for_or_other_hosts(monkeypatch, capsys):
     _describe(monkeypatch, gpus=2, vllm=True)
     off = parse_run_config(GRPORunConfig, argv=["--run.no-gpu-defaults"])

@@ -143,7 +143,7 @@ def model_context(model_cfg: ModelConfig) -> tuple[int, str] | None:
     if model_cfg.path is not None:
         return model_dir_context(model_cfg.path)
     from meshrl.models.config import VLM_FLAVORS
-    from meshrl.models.qwen3 import TINY_HF_CONFIG, hf_config_dict
+    from meshrl.models.qwen3 import CODE_FLAVORS, hf_config_dict
 
     if model_cfg.flavor in VLM_FLAVORS:
         import inspect
@@ -152,7 +152,7 @@ def model_context(model_cfg: ModelConfig) -> tuple[int, str] | None:
 
         n = inspect.signature(tiny_vlm_config).parameters["max_position_embeddings"].default
         return n, f"max_position_embeddings={n} of the new --model.flavor {model_cfg.flavor} model"
-    hf = TINY_HF_CONFIG if model_cfg.flavor == "tiny" else hf_config_dict(model_cfg.flavor, vocab_size=1)
+    hf = CODE_FLAVORS.get(model_cfg.flavor) or hf_config_dict(model_cfg.flavor, vocab_size=1)
     n = hf["max_position_embeddings"]
     return n, f"max_position_embeddings={n} of the new --model.flavor {model_cfg.flavor} model"
 

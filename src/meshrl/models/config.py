@@ -24,8 +24,8 @@ class ModelConfig:
     """HF-format checkpoint dir (config.json, model.safetensors, tokenizer) to start from. If unset, a model of
     `flavor` is initialised at random (seeded) and saved into the run directory first."""
     flavor: str = "tiny"
-    """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU), a torchtitan Qwen3
-    flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B'), or a tiny vision-language model: 'tiny-qwen2.5-vl',
+    """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU), 'small' (a ~63M-parameter
+    Qwen3, for a GPU: the gpu-math preset), a torchtitan Qwen3 flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B'), or a tiny vision-language model: 'tiny-qwen2.5-vl',
     'tiny-qwen3-vl' (with --model.backend hf)."""
     attn_backend: Literal["sdpa", "flex"] = "sdpa"
     """Trainer attention kernel. 'sdpa' works everywhere; 'flex' (torchtitan's default) needs a GPU for backward."""
@@ -66,12 +66,12 @@ class ModelConfig:
             raise ConfigError(
                 f"model.flavor={self.flavor!r} is a vision-language model: it trains with --model.backend hf"
             )
-        if self.path is None and self.flavor != "tiny" and self.flavor not in VLM_FLAVORS:
+        if self.path is None and self.flavor not in ("tiny", "small") and self.flavor not in VLM_FLAVORS:
             from meshrl.models.qwen3 import TITAN_FLAVORS
 
             if self.flavor not in TITAN_FLAVORS:
                 raise ConfigError(
-                    f"model.flavor={self.flavor!r} is unknown; use 'tiny' or one of {sorted(TITAN_FLAVORS)}, "
+                    f"model.flavor={self.flavor!r} is unknown; use 'tiny', 'small' or one of {sorted(TITAN_FLAVORS)}, "
                     "or set model.path to an HF checkpoint dir"
                 )
 

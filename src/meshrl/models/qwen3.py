@@ -34,13 +34,28 @@ TINY_HF_CONFIG: dict[str, Any] = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+# 'small': ~63M parameters (16 layers of 512, GQA 8/4, tied embeddings), a Qwen3 shape between 'tiny' and 0.6B that a
+# GPU trains in minutes (the gpu-math preset) and that learns multi-digit arithmetic, which 'tiny' cannot.
+SMALL_HF_CONFIG: dict[str, Any] = dict(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=512,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+CODE_FLAVORS = {"tiny": TINY_HF_CONFIG, "small": SMALL_HF_CONFIG}  # shapes defined here (no torchtitan needed)
 TITAN_FLAVORS = {"0.6B", "1.7B", "4B", "8B", "14B", "32B"}
 
 
 def hf_config_dict(flavor: str, vocab_size: int) -> dict[str, Any]:
     """A transformers Qwen3Config (as a dict) for a named flavor."""
-    if flavor == "tiny":
-        fields = dict(TINY_HF_CONFIG)
+    if flavor in CODE_FLAVORS:
+        fields = dict(CODE_FLAVORS[flavor])
     elif flavor in TITAN_FLAVORS:
         from torchtitan.models.qwen3 import qwen3_configs
 
@@ -59,7 +74,7 @@ def hf_config_dict(flavor: str, vocab_size: int) -> dict[str, Any]:
             tie_word_embeddings=tc.enable_weight_tying,
         )
     else:
-        raise ValueError(f"unknown Qwen3 flavor {flavor!r}; use 'tiny' or one of {sorted(TITAN_FLAVORS)}")
+        raise ValueError(f"unknown Qwen3 flavor {flavor!r}; use one of {sorted(CODE_FLAVORS) + sorted(TITAN_FLAVORS)}")
     from transformers import Qwen3Config
 
     rope_theta = fields.pop("rope_theta")
