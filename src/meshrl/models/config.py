@@ -25,8 +25,8 @@ class ModelConfig:
     `flavor` is initialised at random (seeded) and saved into the run directory first."""
     flavor: str = "tiny"
     """Used only without `path`: 'tiny' (a few hundred thousand parameters, for CPU), 'small' (a ~63M-parameter
-    Qwen3, for a GPU: the gpu-math preset), a torchtitan Qwen3 flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B'), or a tiny vision-language model: 'tiny-qwen2.5-vl',
-    'tiny-qwen3-vl' (with --model.backend hf)."""
+    Qwen3, for a GPU: the gpu-math preset), a torchtitan Qwen3 flavor ('0.6B', '1.7B', '4B', '8B', '14B', '32B'),
+    or a tiny vision-language model: 'tiny-qwen2.5-vl', 'tiny-qwen3-vl' (with --model.backend hf)."""
     attn_backend: Literal["sdpa", "flex"] = "sdpa"
     """Trainer attention kernel. 'sdpa' works everywhere; 'flex' (torchtitan's default) needs a GPU for backward."""
     dtype: Literal["float32", "bfloat16"] = "float32"
