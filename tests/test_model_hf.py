@@ -113,3 +113,21 @@ def test_export_carries_tokenizer_chat_template_stop_ids_and_readable_modes(base
     assert AutoTokenizer.from_pretrained(out).chat_template == "{{ messages[0]['content'] }}"
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
+
+
+def test_a_new_model_is_made_without_torchtitan(monkeypatch, tmp_path):
+    """Where torchtitan does not import (the GPU machine's torch 2.11), a new Qwen3 of a flavor made in code still
+    starts a run: transformers' initialisation, the same HF checkpoint layout (tied head, tokenizer files)."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.models.qwen3 import create_random_checkpoint
+    from meshrl.tokenizer import train_bpe_tokenizer
+
+    monkeypatch.setitem(sys.modules, "torchtitan.models.qwen3", None)  # `import` of it raises ImportError
+    tok = train_bpe_tokenizer(["What is 12 + 34? \\boxed{46}"] * 50, 300)
+    path = create_random_checkpoint(tmp_path / "m", flavor="tiny", tokenizer=tok, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.config.vocab_size == len(tok) and (path / "tokenizer.json").exists()

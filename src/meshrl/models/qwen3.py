@@ -311,6 +311,19 @@ def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer,
     hf = hf_config_dict(flavor, vocab)
     # transformers' generate and vLLM (without a tokenizer) read the special ids from the config.
     hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
+    try:
+        import torchtitan.models.qwen3  # noqa: F401
+    except ImportError:
+        # torchtitan does not import on every torch (../shared/GPU.md: the GPU machine's 2.11), and the hf backend
+        # does not need it: transformers' own initialisation then (normal, std initializer_range), same seed.
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(Qwen3Config(**hf))
+        state = {
+            k: v for k, v in model.state_dict().items() if not (hf["tie_word_embeddings"] and k == "lm_head.weight")
+        }
+        return save_hf_checkpoint(path, state, hf, tokenizer=tokenizer)
     titan_cfg = titan_config_from_hf(hf)
     model = build_model_on_meta(titan_cfg)
     model.to_empty(device="cpu")
