@@ -12,6 +12,7 @@ import torch
 
 from meshrl.generation.transformers_engine import TransformersEngine
 from meshrl.models.tiny_vlm import VLM_ARCHS, create_tiny_vlm
+from meshrl.rollout.environment import Environment, StepResult
 from meshrl.rollout.images import wire_image
 from meshrl.rollout.render import Renderer
 from meshrl.rollout.row import Row
@@ -189,3 +190,90 @@ def test_text_prompts_mixed_with_image_prompts(vlm):
     # A prompt's image tokens must be its images': missing images are refused, not generated from.
     with pytest.raises(ValueError, match="image tokens but no images"):
         engine.generate(prompts[:1], greedy, 0)
+
+
+def test_an_observation_with_an_image_in_a_later_turn(vlm):
+    """An environment's observation may hold images (issue 34: one rollout seam for tasks and environments): the
+    bridge between turns expands its placeholder to the image's tokens and appends the image, the engine continues
+    from the whole episode with both images, and the trainer scores every model token of it the same (3-D positions
+    restart nowhere: the second image sits after generated text). A text-only model refuses such an observation."""
+    from meshrl.rollout.episode import EpisodeRenderer, EpisodeTokens
+
+    _, renderer, engine, policy = vlm
+    episodes = EpisodeRenderer(renderer)
+    row = image_row(2, 64, "What is shown?")
+    messages, ids = episodes.opening(row, None)
+    tokens = EpisodeTokens(images=episodes.opening_images(row, None))
+    tokens.add_context(ids)
+    params = SamplingParams(n=1, max_tokens=6, temperature=1.0, seed=3, stop_token_ids=STOPS)
+    for turn in range(2):
+        [[completion]] = engine.generate([list(tokens.tokens)], params, 0, images=[tokens.images])
+        tokens.add_completion(completion)
+        messages.append({"role": "assistant", "content": renderer.completion_text(completion.token_ids)})
+        if turn == 0:
+            seen = {"type": "image", "image": picture(7, 96)}  # a PIL image, as an environment would return it
+            observation = [{"role": "user", "content": [{"type": "text", "text": "And now?"}, seen]}]
+            bridge, images = episodes.bridge(messages, observation, completion.token_ids)
+            assert len(images) == 1 and images[0] == wire_image(picture(7, 96)).data
+            expected = renderer.vision.tokens_per_image(images[0])
+            assert bridge.count(renderer.vision.image_token_id) == expected > 1
+            tokens.add_context(bridge)
+            tokens.images += images
+            messages += observation
+    assert len(tokens.images) == 2 and len(tokens.turn_starts) == 2
+    datum = tokens.datum()
+    [row_logprobs] = policy.forward([datum])
+    sampled = np.array(tokens.logprobs[1:])[np.array(tokens.model_mask[1:]) > 0]
+    trained = np.array(row_logprobs)[np.array(tokens.model_mask[1:]) > 0]
+    assert np.abs(sampled - trained).max() <= ATOL
+    # Without a vision tower the observation is refused by name (the episode ends as the environment's error).
+    text_only = EpisodeRenderer(Renderer(renderer.tokenizer, stop_token_ids=renderer.stop_token_ids))
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only.bridge(messages[:2], observation, [1])
+
+
+class _PictureEnv(Environment):
+    """Shows a second picture after the model's first message, ends after its second. `broken`: the picture it
+    shows is bytes that decode to nothing (an environment's bug)."""
+
+    broken = False
+
+    def reset(self, row: Row, seed: int) -> None:
+        self.turn = 0
+
+    def step(self, message: str) -> StepResult:
+        self.turn += 1
+        if self.turn == 2:
+            return StepResult(reward=1.0, done=True)
+        image = b"not a picture" if self.broken else picture(11, 48)
+        return StepResult(observation=[{"role": "user", "content": [{"type": "image", "image": image}]}])
+
+
+def test_the_episode_runner_carries_observation_images_to_the_engine(vlm):
+    """Through the runner (the rollout seam every program uses): episodes of two turns end with both images and the
+    second turn was generated from both; an undecodable observation image ends its episode as the environment's
+    error, naming the image, without failing the others."""
+    from meshrl.rollout.episode import EpisodeRenderer
+    from meshrl.rollout.runner import EpisodeLimits, EpisodeRunner
+
+    _, renderer, engine, _ = vlm
+    calls = []
+
+    def generate(prompts, params, images=None):
+        calls.append([len(im) for im in images])
+        return [c for group in engine.generate(prompts, params, 0, images=images) for c in group]
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=256, turn_max_tokens=4, timeout_s=30.0)
+    episodes = EpisodeRunner(_PictureEnv, EpisodeRenderer(renderer), generate, limits)
+    done = episodes.run([image_row(5, 64)], 2, SamplingParams(temperature=1.0, stop_token_ids=STOPS), seed=1)
+    assert calls == [[1, 1], [2, 2]]  # turn 2 sees the row's image and the observation's
+    assert [len(e.tokens.images) for e in done] == [2, 2] and {e.outcome.finish_reason for e in done} == {"done"}
+
+    class Broken(_PictureEnv):
+        broken = True
+
+    failed = EpisodeRunner(Broken, EpisodeRenderer(renderer), generate, limits).run(
+        [image_row(5, 64)], 1, SamplingParams(temperature=1.0, stop_token_ids=STOPS), seed=1
+    )
+    [outcome] = [e.outcome for e in failed]
+    assert outcome.finish_reason == "env_error" and "image 0 of the observation" in outcome.error

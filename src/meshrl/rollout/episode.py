@@ -1,9 +1,11 @@
 """Token-in / token-out episodes: one token sequence per episode, grown turn by turn, never re-tokenized.
 
-    ids = renderer.prompt_ids(opening)                      # turn 1's prompt: chat template + generation prompt
-    ids += completion.token_ids                             # the model's tokens, as sampled (loss mask 1)
-    ids += episode_renderer.bridge_ids(messages, obs, ...)  # end of turn + observation + next generation prompt
-    ...                                                     # (loss mask 0), and the generator continues from ids
+    ids = renderer.prompt_ids(opening)                  # turn 1's prompt: chat template + generation prompt
+    ids += completion.token_ids                         # the model's tokens, as sampled (loss mask 1)
+    more, images = episode_renderer.bridge(messages, obs, completion.token_ids)
+    ids += more                                         # end of turn + observation + next generation prompt (loss
+    ...                                                 # mask 0; an observation's images expanded as a prompt's),
+                                                        # and the generator continues from ids
 
 Re-rendering the whole conversation each turn (what several frameworks do) breaks multi-turn RL in two ways: the
 model's text re-tokenizes to other ids than it sampled (`" 42"` vs `" 4" "2"`), and templates rewrite history
@@ -53,20 +55,22 @@ class EpisodeRenderer:
     def bridge_ids(
         self, messages: Sequence[dict[str, Any]], observation: Sequence[dict[str, Any]], completion_ids: Sequence[int]
     ) -> list[int]:
+        """`bridge`'s ids (for observations without images, or where only the ids matter)."""
+        return self.bridge(messages, observation, completion_ids)[0]
+
+    def bridge(
+        self, messages: Sequence[dict[str, Any]], observation: Sequence[dict[str, Any]], completion_ids: Sequence[int]
+    ) -> tuple[list[int], tuple[bytes, ...]]:
         """The ids that follow the model's last message (the last of `messages`, whose tokens `completion_ids`
         already are) up to the next generation prompt: the end of the model's turn (unless the model wrote it, as
-        its stop token), the observation messages, and the header of the next assistant turn."""
-        from meshrl.rollout.images import image_parts
-
-        if image_parts(observation):
-            raise ValueError(
-                "an observation with images: only the opening prompt of an episode may hold images (the images of "
-                "later turns are not rendered yet); describe the observation in text"
-            )
+        its stop token), the observation messages, and the header of the next assistant turn. With the
+        observation's images (image parts, as in rows): their placeholders expanded to each image's tokens, and the
+        encoded images, in that order, to append to the episode's."""
+        images = self.observation_images(observation)
         if not self.renderer.use_chat_template:
             # Plain text: the observation on its own lines, then the model goes on.
             text = "\n" + "\n".join(str(m.get("content", "")) for m in observation) + "\n"
-            return self.renderer.encode(text)
+            return self.renderer.encode(text), ()
         history = [dict(m) for m in messages]
         history[-1] = {**history[-1], "content": SENTINEL}
         text = self._template(history + [dict(m) for m in observation])
@@ -83,7 +87,31 @@ class EpisodeRenderer:
             stop_text = self.tokenizer.decode([completion_ids[-1]])
             if stop_text and after.startswith(stop_text):
                 after = after[len(stop_text) :]
-        return self.renderer.encode(after)
+        ids = self.renderer.encode(after)
+        if images:
+            # Only the observation's placeholders are in `after` (the earlier turns' are before the sentinel).
+            ids = self.renderer.vision.expand(ids, images, what="the observation")
+        return ids, images
+
+    def observation_images(self, observation: Sequence[dict[str, Any]]) -> tuple[bytes, ...]:
+        """The encoded images of an environment's observation messages, in the order the model sees them; () for
+        text. Refused (ValueError, which ends the episode as the environment's error) for a model without a vision
+        tower, a renderer without a chat template, or an image that does not decode."""
+        from meshrl.rollout.images import image_parts, wire_image
+
+        parts = image_parts(observation)
+        if not parts:
+            return ()
+        if self.renderer.vision is None:
+            raise ValueError(
+                f"an observation has {len(parts)} image(s) but the model has no vision tower (its config.json has no "
+                "vision_config); describe the observation in text, or train a vision-language checkpoint"
+            )
+        if not self.renderer.use_chat_template:
+            raise ValueError("an observation with images needs the model's chat template (render.chat_template 'off')")
+        return tuple(
+            wire_image(p.get("image"), where=f"image {i} of the observation").data for i, p in enumerate(parts)
+        )
 
     def _template(self, messages: list[dict[str, Any]]) -> str:
         cfg = self.renderer.cfg

@@ -279,7 +279,9 @@ class EpisodeRunner:
                 if result.done or turn + 1 == len(demo):
                     break
                 observation = as_messages(result.observation)
-                tokens.add_context(self.renderer.bridge_ids(messages, observation, turn_ids))
+                bridge, images = self.renderer.bridge(messages, observation, turn_ids)
+                tokens.add_context(bridge)
+                tokens.images += images
                 messages += observation
         except _EnvFailure as e:
             return f"{e.kind}: {e}"
@@ -352,11 +354,15 @@ class EpisodeRunner:
                     break
                 if turn + 1 == lim.max_turns:
                     break
-                bridge = self.renderer.bridge_ids(messages, observation, completion.token_ids)
+                try:
+                    bridge, images = self.renderer.bridge(messages, observation, completion.token_ids)
+                except Exception as e:  # noqa: BLE001 - an observation that cannot be rendered (a bad image) is
+                    raise _EnvFailure("env_error", f"{type(e).__name__}: {e}") from e  # the environment's error
                 if len(tokens.tokens) + len(bridge) >= lim.max_tokens:
                     finish = "max_tokens"  # no room left for a model token after the observation
                     break
                 tokens.add_context(bridge)
+                tokens.images += images  # the next turn's prompt holds them: the generator gets them all, in order
                 messages += observation
         except _EnvFailure as e:
             finish, error, correct = e.kind, str(e), False
