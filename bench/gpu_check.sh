@@ -61,13 +61,20 @@ declare -A LAYOUT=(
   [split-x2work-b32k]="--trainer.devices 0 --generator.devices 1 --grpo.max-staleness 1 --trainer.micro-batch-size 128 --grpo.prompts-per-step 64 --trainer.max-tokens-per-micro-batch 32768"
   [split3-2tr-x4work-b32k]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.devices 2 --grpo.max-staleness 1 --trainer.micro-batch-size 256 --grpo.prompts-per-step 128 --trainer.max-tokens-per-micro-batch 32768"
   [gpus4-x4work-defer]="--placement.gpus 4 --grpo.prompts-per-step 128 --trainer.defer-grad-sync"
+  # the two-rank four-GPU layout stalled after its first step at 4x the work (bench/NOTES.md, fourth session):
+  # the same with a fixed 24k-token call, with weights through torchstore instead of rank 0's CUDA IPC buffer, and
+  # with one generator (the split3 row, which ran, on the same GPUs)
+  [gpus4-x4work-b24k]="--placement.gpus 4 --grpo.prompts-per-step 128 --trainer.max-tokens-per-micro-batch 24576"
+  [gpus4-x4work-tstore]="--placement.gpus 4 --grpo.prompts-per-step 128 --generator.weight-sync torchstore"
+  [gpus4-x4work-1gen]="--placement.gpus 4 --grpo.prompts-per-step 128 --generator.num-replicas 1 --generator.devices 2"
   [coloc2-mb64]="--trainer.num-procs 2 --trainer.devices 0 1 --generator.num-replicas 2 --generator.devices 0 1 --trainer.micro-batch-size 64"
   # no settings but the job's: what the GPU defaults choose on this machine (every GPU it has)
   [auto]=""
 )
 ORDER=(1gpu 1gpu-fast split-sync split-async split-async-fast split2-async split2-async-fast gpus2 gpus2-fast coloc2
        coloc2-mb64 split4 split4-2tr coloc4 coloc4-mb128 gpus4 gpus4-fast gpus4-x4work gpus2-x2work coloc2-x2work gpus4-defer
-       gpus4-x4work-defer split-x2work-b32k split3-2tr-x4work-b32k auto)
+       gpus4-x4work-defer gpus4-x4work-b24k gpus4-x4work-tstore gpus4-x4work-1gen split-x2work-b32k split3-2tr-x4work-b32k
+       auto)
 GPUS_NEEDED() { case "$1" in 1gpu* | auto) echo 1 ;; split3*) echo 3 ;; *4*) echo 4 ;; *) echo 2 ;; esac; }
 
 names=("$@")

@@ -34,7 +34,8 @@ ROWS = {
 # GPUs each layout uses, and how many of them train and generate (for the per-phase efficiency).
 GPUS = {"1gpu": (1, 1, 1), "gpus2": (2, 1, 1), "gpus2-x2work": (2, 1, 1), "coloc2-x2work": (2, 2, 2),
         "coloc2-mb64": (2, 2, 2), "gpus4": (4, 2, 2), "gpus4-x4work": (4, 2, 2), "gpus4-defer": (4, 2, 2),
-        "gpus4-x4work-defer": (4, 2, 2), "split-x2work-b32k": (2, 1, 1),
+        "gpus4-x4work-defer": (4, 2, 2), "gpus4-x4work-b24k": (4, 2, 2), "gpus4-x4work-tstore": (4, 2, 2),
+        "gpus4-x4work-1gen": (3, 2, 1), "split-x2work-b32k": (2, 1, 1),
         "split3-2tr-x4work-b32k": (3, 2, 1)}  # fmt: skip
 
 
