@@ -269,12 +269,13 @@ def test_warmup_demonstrations_keep_the_episode_rules(tokenizer):
     def no_generation(prompts, params):
         raise AssertionError("a demonstration generates nothing")
 
-    limits = EpisodeLimits(max_turns=3, max_tokens=MAX_LEN, turn_max_tokens=8, timeout_s=0.5)
+    # A timeout far above an "ok" call's time (it failed at 0.5 s on a loaded 2-core machine), far below a hang's 5 s.
+    limits = EpisodeLimits(max_turns=3, max_tokens=MAX_LEN, turn_max_tokens=8, timeout_s=1.5)
     run = EpisodeRunner(FlakyEnv, episode_renderer(tokenizer), no_generation, limits)
     rows = [Row(f"row {i}", answer="1", info={"kind": k}) for i, k in enumerate(["ok", "raise", "hang", "hang", "ok"])]
     t0 = time.perf_counter()
     played = run.demonstrations(rows)
-    assert time.perf_counter() - t0 < 3.0  # two 5 s steps, cut at 0.5 s, side by side
+    assert time.perf_counter() - t0 < 4.5  # two 5 s steps, cut at 1.5 s (waiting them out would take 5 s or more)
     assert isinstance(played[0], EpisodeTokens) and isinstance(played[4], EpisodeTokens)
     assert played[0].num_model_tokens > 0 and len(played[0].turn_starts) == 2  # both demonstrated turns
     assert played[1] == "env_error: RuntimeError: environment bug"
