@@ -40,7 +40,6 @@ from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import attach_reference_logprobs, train_step
 from meshrl.controller.warmup import supervised_warmup, task_demonstrations
 from meshrl.data.sampler import EpochSampler
-from meshrl.devices import freeze_startup_heap
 from meshrl.metric_sinks import open_sinks
 from meshrl.plots import plot_training
 from meshrl.preflight import check_run_inputs
@@ -212,7 +211,6 @@ def main(
     --data.eval; `reward_fns` ({name: fn(completion, row) -> float}) add reward functions, weight 1.0 unless
     cfg.reward weighs them."""
     # ---- The run: its directory, task, model, rubric and rollout source (no process started yet) --------------
-    freeze_startup_heap(quiet_exit=False)  # the set-up's collections no longer walk the imported libraries
     check_run_inputs(cfg)  # a bad checkpoint, process count or length is refused before anything else runs
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     run.add_sink(*open_sinks(cfg.log, run.path, cfg))  # every record also to TensorBoard (tb/), wandb, ...
@@ -310,7 +308,6 @@ def main(
             }
 
         # ---- RL steps ------------------------------------------------------------------------------------------
-        freeze_startup_heap(quiet_exit=False)  # the loop's collections no longer walk the rows, tokenizer, libraries
         recorder = RolloutRecorder(run.path, cfg.log.rollouts_every, start_step=start)  # rollouts.jsonl
         bar = progress(range(start, cfg.grpo.steps), desc="GRPO", initial=start, total=cfg.grpo.steps)
         for step in bar:

@@ -24,7 +24,6 @@ from meshrl.controller.rollouts import evaluate
 from meshrl.controller.run_checkpoints import RunCheckpoints, RunFailedError
 from meshrl.controller.training import eval_nll, pad_rows, train_step
 from meshrl.data.sft import EpochSampler, SFTDataset, load_sft_dataset, pack_examples
-from meshrl.devices import freeze_startup_heap
 from meshrl.metric_sinks import open_sinks
 from meshrl.models.hf_config import max_positions
 from meshrl.models.qwen3 import read_hf_config
@@ -84,7 +83,6 @@ def to_data(dataset: SFTDataset, indices: list[int]) -> list[Datum]:
 
 
 def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list | None = None) -> dict:
-    freeze_startup_heap(quiet_exit=False)  # the set-up's collections no longer walk the imported libraries
     check_run_inputs(cfg, generator=cfg.sft.eval_generate and eval_rows is None and cfg.data.eval == "task")
     run = RunDir(cfg.run.output_dir, cfg.run.name, cfg)
     run.add_sink(*open_sinks(cfg.log, run.path, cfg))  # every record also to TensorBoard (tb/), wandb, ...
@@ -140,7 +138,6 @@ def main(cfg: SFTRunConfig, *, train_rows: list | None = None, eval_rows: list |
             run.log(record)
             return record
 
-        freeze_startup_heap(quiet_exit=False)  # the loop's collections no longer walk the rows and libraries
         bar = progress(range(start, total), desc="SFT", initial=start, total=total)
         for step in bar:
             t0 = time.perf_counter()

@@ -71,25 +71,23 @@ def check_devices(devices: Sequence[int] | None, flag: str) -> None:
         raise ValueError(f"{flag}={list(devices)}: GPU indices are >= 0")
 
 
-def freeze_startup_heap(*, quiet_exit: bool = True) -> None:
+def freeze_startup_heap() -> None:
     """Move every object made so far (the imported libraries, the model's Python objects) out of the garbage
     collector's sight, once a process is set up. At exit Python's last collection walked that whole heap: ~2.5 s of
     every trainer process's stop, so of every run's end (py-spy: gc_collect_main). It also spares the collections
     during training from re-walking it; objects made later are collected as usual. (vLLM freezes its engine's
-    startup objects for the same reason.) In the controller, the full collections of a GRPO run's loop walked the
-    task's rows, tokenizer and libraries each time: 0.3-0.6 s pauses at random points of its steps on a 2-core CPU.
+    startup objects for the same reason.)
 
     What stays frozen is still alive when the interpreter tears its modules down, and nanobind-built extensions
-    (triton's) then print a page of "leaked ..." lines per process. Nothing of the run is said at that point in an
-    actor process (it was asked to stop, its errors already went to the controller), so `quiet_exit`: its stderr
-    goes to /dev/null from the first exit handler on. The controller keeps its stderr (the run's last words)."""
+    (triton's) then print a page of "leaked ..." lines per process. Nothing of the run is said at that point (the
+    process was asked to stop, its errors already went to the controller), so its stderr goes to /dev/null from the
+    first exit handler on."""
     import atexit
     import gc
 
     gc.collect()
     gc.freeze()
-    if quiet_exit:
-        atexit.register(_silence_stderr)
+    atexit.register(_silence_stderr)
 
 
 def _silence_stderr() -> None:
