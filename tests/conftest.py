@@ -120,13 +120,13 @@ SLOW_UNIT = {
 LIBRARY_PYTHON_CHILDREN = ("vllm.model_executor.models.registry", "_inductor/compile_worker")
 
 
-# ------------------------------------------------------------------------------------- the order of the two workers
-# scripts/test.sh runs two pytest-xdist workers, each handed whole modules (`--dist loadfile`). Two things here make
-# that split cheaper (SuiteScheduling below; one process, -n 0, runs in the usual order):
-# - The modules that use the session's `ctl` fixture (2 trainer processes, a vLLM generator, a reward process: ~45 s
-#   on 2 cores) go to one worker as one unit, so that `ctl` is made once per run instead of once per worker.
-# - The units go out longest first (xdist's default hands out modules with the most tests first, which left the
-#   longest programs, modules of a few tests each, to the end: one worker idled while the other ran them).
+# ------------------------------------------------------------------------------------- the work of the two workers
+# scripts/test.sh runs two pytest-xdist workers, each handed whole modules (`--dist loadfile`). The modules that use
+# the session's `ctl` fixture (2 trainer processes, a vLLM generator, a reward process: ~45 s on 2 cores) go to one
+# worker as one unit (SuiteScheduling below), so that `ctl` is made once per run instead of once per worker.
+# (Handing the longest modules out first was tried and lost: 25.5 min against 22.5. Both workers then ran whole
+# programs side by side for most of the run, 8-10 processes on 2 cores, and each program took longer; xdist's own
+# order, modules with the most tests first, pairs programs with in-process tests more often.)
 CTL_MODULES = {
     "test_algorithms_actors",
     "test_generator_transformers_engine",
@@ -137,20 +137,6 @@ CTL_MODULES = {
     "test_weight_sync_shared_buffer",
 }
 CTL_UNIT = "tests/[ctl modules]"
-# Seconds per module in the full lane on the 2-core machine (--durations, two workers; modules of 10 s or more). Only
-# the order depends on them: a stale figure costs balance, not correctness; a module not named here goes last.
-MODULE_SECONDS = {
-    "test_grpo_resume": 324, "test_envs_e2e": 273, "test_tasks_e2e": 210, "test_multihost": 192, "test_resume": 119,
-    "test_grpo_async": 117, "test_placement_jobs": 106, "test_architectures_e2e": 99,
-    "test_weight_sync_shared_buffer": 83, "test_vllm_engine": 81, "test_vision_e2e": 73, "test_grpo_e2e": 71,
-    "test_algorithms_actors": 65, "test_env_processes": 53, "test_faults_issue31": 51, "test_async_overlap": 50,
-    "test_weight_sync_parity": 49, "test_architectures": 49, "test_paused_controller": 49, "test_flat_gather": 42,
-    "test_token_batching": 41, "test_shm_faults_e2e": 34, "test_engine_protocol": 32, "test_hf_backend": 32,
-    "test_transformers_engine": 30, "test_memory_handoff": 26, "test_vision_ranks": 26, "test_deferred_grad_sync": 23,
-    "test_bad_inputs": 21, "test_optim_kahan_kernel": 19, "test_shared_buffer": 17,
-    "test_generator_transformers_engine": 16, "test_weight_sync": 13, "test_weight_shards": 13,
-    "test_envs_episodes": 11,
-}  # fmt: skip
 
 
 def _unit_of(nodeid: str) -> str:
@@ -159,24 +145,9 @@ def _unit_of(nodeid: str) -> str:
     return CTL_UNIT if os.path.basename(path).removesuffix(".py") in CTL_MODULES else path
 
 
-def _unit_seconds(unit: str) -> float:
-    if unit == CTL_UNIT:
-        return sum(MODULE_SECONDS.get(m, 0) for m in CTL_MODULES)
-    return MODULE_SECONDS.get(os.path.basename(unit).removesuffix(".py"), 0)
-
-
-def _longest_units_first(items: list[pytest.Item]) -> None:
-    """Items sorted (stably) by their unit's MODULE_SECONDS, longest first: xdist hands the units out in the order
-    their first test appears (SuiteScheduling turns its own reordering off)."""
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(_unit_of(item.nodeid), i)
-    items.sort(key=lambda it: (-_unit_seconds(_unit_of(it.nodeid)), first[_unit_of(it.nodeid)]))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` with the CTL_MODULES as one unit, the units in the workers' (sorted) collection order."""
+    """`--dist loadfile` with the CTL_MODULES as one unit."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -185,7 +156,6 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of(nodeid)
 
-    config.option.loadscopereorder = False  # keep the order _longest_units_first gave the collection
     return SuiteScheduling(config, log)
 
 
@@ -214,8 +184,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("gpu")
         if "ctl" in item.fixturenames and _unit_of(item.nodeid) != CTL_UNIT:
             warnings.warn(f"{item.nodeid} uses `ctl`: add its module to CTL_MODULES in tests/conftest.py", stacklevel=1)
-    if hasattr(config, "workerinput"):  # an xdist worker: the order its scheduler hands the units out in
-        _longest_units_first(items)
 
 
 def _stale_lane_names() -> list[str]:
