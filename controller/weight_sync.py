@@ -17,6 +17,7 @@ asked to load, frees torchstore versions nobody will load again, and cleans up a
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,6 @@ from typing import Any
 from meshrl.controller.futures import Pending, _rank0
 from meshrl.controller.replicas import ReplicaCall, ReplicaPool
 from meshrl.weight_sync.shared_buffer import remove_shared_files
-from meshrl.weight_sync.store import init_weight_store, shutdown_weight_store
 from meshrl.weight_sync.transport import SHARED_BUFFER_TRANSPORTS
 
 
@@ -60,6 +60,9 @@ class WeightSync:
         shards into a process of its own, next to it, and generators fetch from all of them; weight_sync/store.py).
         Before the generators start."""
         if self.requested not in SHARED_BUFFER_TRANSPORTS:
+            # Imported here: torchstore and DTensor cost a controller ~1 s of start-up that a shared buffer never needs.
+            from meshrl.weight_sync.store import init_weight_store
+
             asyncio.run(init_weight_store(self.store_name, host=host, num_volumes=num_volumes))
 
     def start(
@@ -188,8 +191,11 @@ class WeightSync:
 
     def close_store(self, timeout_s: float) -> None:
         """Drop the torchstore and stop its volumes (best effort, at shutdown, before the processes stop)."""
+        store = sys.modules.get("meshrl.weight_sync.store")
+        if store is None:  # never imported in this process, so it made no store to drop (open_store imports it)
+            return
         try:
-            asyncio.run(asyncio.wait_for(shutdown_weight_store(self.store_name), timeout_s))
+            asyncio.run(asyncio.wait_for(store.shutdown_weight_store(self.store_name), timeout_s))
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
 

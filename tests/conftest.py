@@ -120,6 +120,45 @@ SLOW_UNIT = {
 LIBRARY_PYTHON_CHILDREN = ("vllm.model_executor.models.registry", "_inductor/compile_worker")
 
 
+# ------------------------------------------------------------------------------------- the work of the two workers
+# scripts/test.sh runs two pytest-xdist workers, each handed whole modules (`--dist loadfile`). The modules that use
+# the session's `ctl` fixture (2 trainer processes, a vLLM generator, a reward process: ~45 s on 2 cores) go to one
+# worker as one unit (SuiteScheduling below), so that `ctl` is made once per run instead of once per worker.
+# (Handing the longest modules out first was tried and lost: 25.5 min against 22.5. Both workers then ran whole
+# programs side by side for most of the run, 8-10 processes on 2 cores, and each program took longer; xdist's own
+# order, modules with the most tests first, pairs programs with in-process tests more often.)
+CTL_MODULES = {
+    "test_algorithms_actors",
+    "test_generator_transformers_engine",
+    "test_token_batching",
+    "test_trainer_endpoints",
+    "test_weight_shards",
+    "test_weight_sync_parity",
+    "test_weight_sync_shared_buffer",
+}
+CTL_UNIT = "tests/[ctl modules]"
+
+
+def _unit_of(nodeid: str) -> str:
+    """The work unit (what one worker runs whole) of a test: its module, or CTL_UNIT for the modules using `ctl`."""
+    path = nodeid.split("::", 1)[0]
+    return CTL_UNIT if os.path.basename(path).removesuffix(".py") in CTL_MODULES else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the CTL_MODULES as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SuiteScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid)
+
+    return SuiteScheduling(config, log)
+
+
 def _key(item: pytest.Item) -> str:
     return f"{item.module.__name__.rpartition('.')[2]}::{getattr(item, 'originalname', item.name)}"
 
@@ -143,6 +182,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
         if any(is_needs_cuda(m) for m in item.iter_markers("skipif")):
             item.add_marker("gpu")
+        if "ctl" in item.fixturenames and _unit_of(item.nodeid) != CTL_UNIT:
+            warnings.warn(f"{item.nodeid} uses `ctl`: add its module to CTL_MODULES in tests/conftest.py", stacklevel=1)
 
 
 def _stale_lane_names() -> list[str]:
