@@ -24,6 +24,12 @@ class ActorFrozenError(RuntimeError):
     """An actor process stopped answering its heartbeat: frozen or hung, not dead."""
 
 
+class CollectiveRankError(RuntimeError):
+    """A rank of a mesh raised inside a collective call while its other ranks were still in it: they waited for it
+    in a collective and were stopped (controller/replicas.py, `call_collective`). The message starts with the rank's
+    own error."""
+
+
 class Pending(Generic[T]):
     """A result that is still being computed by one or more actors. `dead`: names the processes of those actors
     that are gone ("trainer rank 1 (pid 4242)"; None: none found), asked when a call fails, so that a death names
@@ -56,7 +62,7 @@ class Pending(Generic[T]):
                 last_line = str(e).strip().splitlines()[-1].strip()
                 who = (self._dead() if self._dead else None) or "an actor process"
                 raise ActorDiedError(f"{self._what} failed because {who} died: {last_line}", who) from e
-            except (ActorDiedError, ActorFrozenError):
+            except (ActorDiedError, ActorFrozenError, CollectiveRankError):
                 raise
             except Exception as e:  # an error the actor raised: its own (a full disk), or a peer's death seen by it
                 who = self._dead() if self._dead else None

@@ -26,7 +26,7 @@ from typing import Any
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from meshrl.controller.futures import ActorDiedError, ActorFrozenError
+from meshrl.controller.futures import ActorDiedError, ActorFrozenError, CollectiveRankError
 
 
 class ReplicaLostError(RuntimeError):
@@ -412,9 +412,12 @@ class WatchedMesh:
     def __init__(
         self, mesh: Any, heartbeat: Any, *, what: str, heartbeat_s: float, on_frozen: Callable[[], None],
         poll_s: float = 1.0, dead: Callable[[], str | None] | None = None,
+        on_wedged: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.mesh, self._heartbeat, self._what = mesh, heartbeat, what  # `mesh`: the actors, unwatched
         self._heartbeat_s, self._on_frozen, self._poll_s = heartbeat_s, on_frozen, poll_s
+        # ranks left waiting in a collective for one that raised (`call_collective`): stopped as a frozen one is
+        self.on_wedged = on_wedged or on_frozen
         self._dead = dead or (lambda: None)
 
     def __getattr__(self, endpoint: str) -> _WatchedEndpoint:
@@ -445,6 +448,14 @@ class _WatchedEndpoint:
     def call(self, *args: Any) -> _WatchedFuture:
         return _WatchedFuture(self._mesh, self._endpoint.call(*args))
 
+    def call_collective(self, *args: Any) -> _CollectiveFuture:
+        """For an endpoint whose ranks run collectives together and answer the same value (the trainer's
+        forward_backward, forward, optim_step, push_weights): the answers as they come, so that one rank's error
+        ends the wait at once (`_CollectiveFuture`). `.call()` waits for every rank's answer, and after one rank
+        raised inside a call (out of memory in its forward, say) the others never answer: they wait in a
+        collective for it until NCCL's timeout, and the run hung (four-GPU layout, 2026-11-27)."""
+        return _CollectiveFuture(self._mesh, list(self._endpoint.stream(*args)))
+
 
 class _WatchedFuture:
     def __init__(self, mesh: WatchedMesh, future: Any) -> None:
@@ -455,3 +466,60 @@ class _WatchedFuture:
         while (value := _get_slice(self._future, deadline, self._mesh._poll_s)) is _NOT_YET:
             self._mesh.check()
         return value
+
+
+class _CollectiveFuture:
+    """The per-rank answers of a collective call in the order they arrive. `get` returns them as `_Answers` (what
+    `.call()`'s ValueMesh gives the combiners: `.values()`, not in rank order, which is why only endpoints whose
+    ranks answer alike use it). The first error raises at once, after `grace_s` for the other ranks to answer
+    (a failure every rank reaches, e.g. a non-finite loss after the all-reduce, comes from all of them within
+    milliseconds); a rank still silent then is waiting in a collective for the one that failed and never will
+    answer: `mesh.on_wedged()` stops the mesh, and the error is a `CollectiveRankError` saying so."""
+
+    def __init__(self, mesh: WatchedMesh, futures: list[Any], grace_s: float = 15.0) -> None:
+        self._mesh, self._futures, self._grace_s = mesh, futures, grace_s
+        self._values: list[Any] = []
+
+    def get(self, timeout: float | None = None) -> _Answers:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._values) < len(self._futures):  # a get after a timed-out one goes on where it stopped
+            future = self._futures[len(self._values)]
+            try:
+                while (value := _get_slice(future, deadline, self._mesh._poll_s)) is _NOT_YET:
+                    self._mesh.check()
+            except (TimeoutError, SupervisionError, ActorDiedError, ActorFrozenError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a rank's own error: raised below, after the others' answers
+                self._raise_after_grace(e)
+            self._values.append(value)
+        return _Answers(self._values)
+
+    def _raise_after_grace(self, error: Exception) -> None:
+        silent = len(self._futures) - len(self._values) - 1
+        grace = time.monotonic() + self._grace_s
+        for future in self._futures[len(self._values) + 1 :]:
+            try:
+                future.get(timeout=max(grace - time.monotonic(), 0.0))
+            except TimeoutError:
+                break
+            except Exception:  # noqa: BLE001 - that rank failed too (or died): it is not waiting
+                pass
+            silent -= 1
+        if silent <= 0:
+            raise error
+        self._mesh.on_wedged()
+        raise CollectiveRankError(
+            f"{_last_line(error)}\n[meshrl] a rank raised that inside a call its other {silent} rank(s) were still "
+            f"in: they waited for it in a collective (FSDP's all-gather / reduce-scatter) and could not go on, so "
+            f"{self._mesh._what} was stopped. The error above says what to change; the rank's traceback:\n{error}"
+        ) from error
+
+
+class _Answers:
+    """Per-rank values, as `ValueMesh.values()` yields them (here in arrival order)."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self._values = values
+
+    def values(self) -> list[Any]:
+        return list(self._values)

@@ -52,6 +52,7 @@ class TrainerClient:
             heartbeat_s=heartbeat_s,
             on_frozen=self.kill,
             dead=self.dead_ranks,
+            on_wedged=lambda: self.kill("trainer rank failed inside a collective call"),
         )
         self.mesh = self.actors.mesh  # the actors, unwatched
         self._ready = Pending(  # unwatched: its heartbeat may still be starting while the model loads
@@ -89,10 +90,11 @@ class TrainerClient:
         ]
         return " and ".join(gone) or None
 
-    def kill(self) -> None:
-        """A frozen trainer rank cannot stop itself, and the others wait for it in a collective: kill them all (the
-        run ends; its checkpoints are on disk)."""
-        self.failures.append("trainer frozen")
+    def kill(self, why: str = "trainer frozen") -> None:
+        """A frozen trainer rank cannot stop itself, and the others wait for it in a collective (so do the ranks
+        that stayed in a call in which one rank raised): kill them all (the run ends; its checkpoints are on
+        disk)."""
+        self.failures.append(why)
         if self.elsewhere:
             # Its pids are another machine's: Monarch's host agents there stop the processes (not waited on).
             self.procs.stop()
@@ -117,7 +119,7 @@ class TrainerClient:
             return result
 
         return Pending(
-            [self.actors.forward_backward.call(data, loss, step, split)],
+            [self.actors.forward_backward.call_collective(data, loss, step, split)],
             done,
             self.timeout_s,
             "forward_backward",
@@ -128,7 +130,11 @@ class TrainerClient:
         self, data: list[Datum], temperature: float = 1.0, split: list[int] | None = None
     ) -> Pending[list[list[float]]]:
         return Pending(
-            [self.actors.forward.call(data, temperature, split)], _rank0, self.timeout_s, "forward", self.dead_ranks
+            [self.actors.forward.call_collective(data, temperature, split)],
+            _rank0,
+            self.timeout_s,
+            "forward",
+            self.dead_ranks,
         )
 
     def optim_step(self, params: OptimParams) -> Pending[OptimResult]:
@@ -137,7 +143,9 @@ class TrainerClient:
             self.policy_version = result.policy_version
             return result
 
-        return Pending([self.actors.optim_step.call(params)], done, self.timeout_s, "optim_step", self.dead_ranks)
+        return Pending(
+            [self.actors.optim_step.call_collective(params)], done, self.timeout_s, "optim_step", self.dead_ranks
+        )
 
     def token_budget(self) -> int:
         """Tokens per trainer rank and `forward_backward` call: trainer.max_tokens_per_micro_batch, or when unset what

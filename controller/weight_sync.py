@@ -147,7 +147,7 @@ class WeightSync:
 
     def _push(self, version: int) -> int:
         return Pending(
-            [self.trainer.push_weights.call(version, self.dtype, self.store_name)],
+            [self.trainer.push_weights.call_collective(version, self.dtype, self.store_name)],
             lambda v: sum(v[0].values()),
             self.timeout_s,
             "push_weights",

@@ -36,6 +36,7 @@ torch.set_num_threads(1)
 MODULE_LANES = {
     "test_cli_exit": "actors",  # a Python child, to run its exit
     "test_algorithms_actors": "actors",
+    "test_collective_failure": "actors",
     "test_env_processes": "actors",
     "test_paused_controller": "actors",
     "test_generator_transformers_engine": "actors",
@@ -145,7 +146,7 @@ def _unit_of(nodeid: str) -> str:
     return CTL_UNIT if os.path.basename(path).removesuffix(".py") in CTL_MODULES else path
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist (-p no:xdist, the GPU machine)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` with the CTL_MODULES as one unit."""
     if config.getvalue("dist") != "loadfile":

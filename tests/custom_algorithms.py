@@ -44,3 +44,14 @@ def slow_grpo(
 
     time.sleep(0.3)
     return LOSSES["grpo"].fn(logprobs, batch, clip_low=clip_low, clip_high=clip_high)
+
+
+@register_loss("fails_on_rank_1")
+def fails_on_rank_1(logprobs: torch.Tensor, batch: LossBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss with a bug that shows on one trainer rank only (it raises on rank 1): rank 0 goes on into backward and
+    waits there for rank 1 in FSDP's reduce-scatter."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("this loss fails on trainer rank 1")
+    return -batch.advantages[:, None].to(logprobs.dtype) * logprobs, {}

@@ -242,6 +242,34 @@ def test_another_process_reads_through_cuda_ipc_gpu():
         sender.close()
 
 
+@needs_cuda
+def test_the_buffer_is_shared_while_the_trainer_allocates_in_expandable_segments():
+    """The trainer's allocator uses expandable segments on GPUs (TrainerConfig.expandable_segments); the buffer is
+    still a plain allocation of its own pool, which a generator opens by its CUDA IPC handle and reads exactly."""
+    from meshrl.weight_sync.shared_buffer import use_expandable_segments
+
+    before = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    try:
+        assert use_expandable_segments()
+        cached = [torch.empty(n, device="cuda") for n in (1 << 20, 3 << 20)]  # blocks of the expandable pool
+        del cached[0]  # a free block the buffer must not be carved from
+        sd = {k: v.cuda() for k, v in _state_dict(4).items()}
+        sender = SharedBufferSender.for_state_dict(sd, "cuda", dtype=torch.bfloat16)
+        try:
+            assert sender._pool is not None
+            sender.publish(sd, 5)
+            version, total, _, _ = _child_reads(sender.handle())
+            assert int(version) == 5
+            assert float(total) == pytest.approx(_checksum(sd, torch.bfloat16), rel=1e-12)
+        finally:
+            sender.close()
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if before is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = before
+
+
 @needs_two_gpus
 def test_a_process_that_sees_only_another_gpu_reads_the_buffer_bitwise():
     """The split layout (trainer on GPU 0, generator on GPU 1, each seeing only its own): the generator opens the

@@ -12,6 +12,7 @@ gradients and bumps `policy_version`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
 from meshrl.optim import FusedAdamW, host_copy_when_ready
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
+from meshrl.weight_sync.shared_buffer import use_expandable_segments
 
 if TYPE_CHECKING:
     from meshrl.weight_sync.flat_gather import FlatGather
@@ -757,6 +759,11 @@ def policy_from_env(
     construction of the trainer's and the reference model's Policy (actors/policy_trainer.py, actors/reference.py)."""
     if not dist.is_initialized():
         if trainer_cfg.device != "cpu":
+            if trainer_cfg.expandable_segments:
+                use_expandable_segments()
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("gloo" if trainer_cfg.device == "cpu" else "nccl")
+        dist.init_process_group(
+            "gloo" if trainer_cfg.device == "cpu" else "nccl",
+            timeout=datetime.timedelta(seconds=trainer_cfg.collective_timeout_s),
+        )
     return Policy(str(model_dir), model_cfg, trainer_cfg, pad_id)

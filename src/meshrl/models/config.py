@@ -156,8 +156,21 @@ class TrainerConfig:
     loops' way) that host work hides behind the backward and the graph's cost wins: gradients stay allocated
     and backward adds into them (~2 ms more GPU work per step at 0.6B). Falls back to the eager step, with a
     warning, if capture fails; no effect on CPU or with FSDP."""
+    expandable_segments: bool = True
+    """GPU: torch's CUDA allocator maps memory into growing segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+    torchtitan's default) instead of caching fixed blocks. Token-budget calls of different sizes otherwise fragment
+    the cache: on 4x H100 (0.6B, 1024 sequences a step) a rank held 19 GiB reserved but unusable beside 58.5 GiB in
+    use and ran out of memory in step 1's first call (bench/NOTES.md). A PYTORCH_CUDA_ALLOC_CONF of your own takes
+    precedence. The weight buffer that generators read over CUDA IPC is allocated outside these segments."""
+    collective_timeout_s: float = 600.0
+    """Several trainer ranks: a collective (FSDP all-gather / reduce-scatter, the weight gather) that waits longer
+    than this for the other ranks fails the trainer (torch's NCCL watchdog) instead of hanging it. With
+    TORCH_NCCL_TRACE_BUFFER_SIZE=N and TORCH_NCCL_DUMP_ON_TIMEOUT=1 in the environment, each rank then writes its
+    last N collectives (torch's flight recorder) to TORCH_FR_DUMP_TEMP_FILE<rank>: which rank stopped where."""
 
     def __post_init__(self) -> None:
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
         if self.num_procs < 1:
             raise ConfigError(f"trainer.num_procs={self.num_procs} must be >= 1")
         if self.logprob_chunk_size < 0:

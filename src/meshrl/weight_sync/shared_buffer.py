@@ -564,6 +564,39 @@ class PublishStats:
     copy_s: float  # pack + device sync
 
 
+def use_expandable_segments() -> bool:
+    """This process's CUDA allocations go into expandable segments (TrainerConfig.expandable_segments), unless the
+    user set PYTORCH_CUDA_ALLOC_CONF: theirs stands. Returns whether they are on."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return _expandable_segments_on()
+
+
+def _expandable_segments_on() -> bool:
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "expandable_segments:true" in settings
+
+
+def _ipc_shareable_empty(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+    """A buffer other processes can open with its CUDA IPC handle (and the memory pool that holds it, kept with it).
+    With expandable segments on, torch shares an allocation through a file-descriptor handle of the segment
+    instead: the receiver then needs pidfd_getfd (often refused in containers) and maps the segment's whole
+    reservation, and torch's handling of it has changed between releases. So the buffer is made as a plain
+    cudaMalloc allocation, the setting off for it and in a pool of its own (the main pool's cached blocks are in
+    expandable segments)."""
+    if not _expandable_segments_on() or not hasattr(torch.cuda, "MemPool"):
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    pool = torch.cuda.MemPool()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        with torch.cuda.use_mem_pool(pool, device=device):
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return buffer, pool
+
+
 class SharedBufferSender:
     """Trainer side: the flat buffer (`num_slots` slots of `layout.nbytes`, one allocation, so one IPC handle)
     and the control block. Keep it alive as long as any generator uses the handle. Its files go when it is
@@ -588,10 +621,11 @@ class SharedBufferSender:
             raise ShmSpaceError(problem)
         self._buf_fd: int | None = None
         self._shm_path: str | None = None
+        self._pool: Any = None  # the CUDA memory pool of the buffer (`_ipc_shareable_empty`), kept while it lives
         self.control = VersionControl(base + ".ctl", self.num_slots, create=True)  # first: it marks the run live
         try:
             if on_gpu:
-                self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self.buffer, self._pool = _ipc_shareable_empty(size, self.device)
                 from torch.multiprocessing.reductions import reduce_tensor
 
                 buffer_share: tuple = reduce_tensor(self.buffer)
