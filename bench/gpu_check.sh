@@ -20,6 +20,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STEPS=${GPU_CHECK_STEPS:-8}
+RUNS=${GPU_CHECK_RUNS:-/tmp/gc/runs}  # the runs' directories (metrics.jsonl is written as each step ends)
 mkdir -p "$OUT" /tmp/gc
 [ -d /tmp/site211/monarch ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --target /tmp/site211 .whl/*.whl || exit 1
@@ -122,7 +123,7 @@ fi
 # the `auto` layout gives the job alone, as a user would, and lets the GPU defaults choose the rest.
 JOB="--model.path /tmp/gc/model --generator.max-model-len 320 --generator.max-tokens 256
   --task arithmetic --arithmetic.num-eval 32 --reward exact=1.0 --eval.verifier exact --grpo.prompts-per-step 32
-  --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir /tmp/gc/runs"
+  --grpo.group-size 8 --grpo.steps $STEPS --warmup.steps 0 --eval.samples 0 --run.output-dir $RUNS"
 EXPLICIT="--run.no-gpu-defaults --model.backend hf --model.dtype bfloat16 --trainer.device cuda
   --generator.engine transformers --generator.dtype bfloat16"
 # One trainer rank unless the layout says otherwise. Not for --placement.gpus rows: a --trainer.num-procs given there is
@@ -151,21 +152,21 @@ for name in "${names[@]}"; do
     run=$name
     [ ${#trees[@]} -gt 1 ] && run="$name-t$i"
     assemble "$tree" "$i" || exit 1
-    rm -rf "/tmp/gc/runs/$run"  # a run of an earlier call on this machine: never read as this one's
+    rm -rf "$RUNS/$run"  # a run of an earlier call on this machine: never read as this one's
     echo "== $run: ${LAYOUT[$name]} ($tree)"
     (cd /tmp/gc && PYTHONPATH=/tmp/site211:/tmp/gc/pkg$i timeout "${GPU_CHECK_TIMEOUT:-400}" \
       python3 -m meshrl.controller.grpo $JOB $([ "$name" = auto ] || explicit "${LAYOUT[$name]}") ${LAYOUT[$name]} ${GPU_CHECK_FLAGS:-} --run.name "$run" 2>&1 \
       | grep -v -E "Warning|warnings.warn" > "$OUT/gpu_check_$run.log"; tail -4 "$OUT/gpu_check_$run.log"; \
       grep -E "weight sync:|placement:" "$OUT/gpu_check_$run.log")
-    for f in metrics.jsonl timeline.png; do cp "/tmp/gc/runs/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
+    for f in metrics.jsonl timeline.png; do cp "$RUNS/$run/$f" "$OUT/gpu_check_${run}_$f" 2>/dev/null; done
     rows+=("$run:$name:$tree")
   done
 done
 [ ${#rows[@]} -gt 0 ] || exit 0
-python3 - "$OUT" "${rows[@]}" <<'EOF'
+python3 - "$OUT" "$RUNS" "${rows[@]}" <<'EOF'
 import json, statistics, sys
 
-out, rows = sys.argv[1], sys.argv[2:]
+out, runs, rows = sys.argv[1], sys.argv[2], sys.argv[3:]
 
 
 def union(spans):
@@ -202,13 +203,13 @@ results = []
 for arg in rows:
     run, layout, tree = arg.split(":", 2)
     try:
-        records = [json.loads(l) for l in open(f"/tmp/gc/runs/{run}/metrics.jsonl")]
-        intervals = [json.loads(l) for l in open(f"/tmp/gc/runs/{run}/timeline.jsonl")]
+        records = [json.loads(l) for l in open(f"{runs}/{run}/metrics.jsonl")]
+        intervals = [json.loads(l) for l in open(f"{runs}/{run}/timeline.jsonl")]
     except OSError:
         results.append({"run": run, "layout": layout, "tree": tree, "failed": True})
         continue
     rl = [r for r in records if r.get("phase") == "rl"][2:]
-    prompts = json.load(open(f"/tmp/gc/runs/{run}/config.json"))["grpo"]["prompts_per_step"]
+    prompts = json.load(open(f"{runs}/{run}/config.json"))["grpo"]["prompts_per_step"]
     m = lambda k: statistics.median(r[k] for r in rl) if rl else float("nan")  # noqa: E731
     last = rl[-5:]
     overlap, generating_s = phases(intervals, [r["time_step_s"] for r in last])

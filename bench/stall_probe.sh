@@ -41,14 +41,14 @@ for row in "$@"; do
   export TORCH_FR_DUMP_TEMP_FILE="$OUT/fr/$row/trace_" TORCH_NCCL_DEBUG_INFO_TEMP_FILE="$OUT/fr/$row/trace_"
   monitor "$row" &
   mon=$!
-  OUT="$OUT/$row" GPU_CHECK_TIMEOUT=${STALL_TIMEOUT:-170} \
-    GPU_CHECK_FLAGS="--run.output-dir $OUT/runs --trainer.collective-timeout-s 45 ${STALL_FLAGS:-}" \
+  OUT="$OUT/$row" GPU_CHECK_RUNS="$OUT/$row/runs" GPU_CHECK_TIMEOUT=${STALL_TIMEOUT:-170} \
+    GPU_CHECK_FLAGS="--trainer.collective-timeout-s 45 ${STALL_FLAGS:-}" \
     bash bench/gpu_check.sh "$row"
   kill "$mon" 2> /dev/null
   pkill -9 -f "bootstrap_main|meshrl.controller.grpo"
   sleep 3
 done
-rm -f "$OUT/runs"/*/*.pt 2> /dev/null
-find "$OUT/runs" -name "checkpoints" -type d -prune -exec rm -rf {} + 2> /dev/null
+# each row's run directory ($OUT/<row>/runs/<row>): keep the logs and metrics, not the checkpoints (GBs to pack)
+find "$OUT" -mindepth 3 -maxdepth 4 \( -name checkpoints -o -name final_model \) -type d -prune -exec rm -rf {} +
 (cd "$OUT" && tar czf /tmp/probe.tgz --exclude probe.tgz . && find . -mindepth 1 -delete && mv /tmp/probe.tgz .)
 ls -la "$OUT"

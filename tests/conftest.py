@@ -78,6 +78,7 @@ TEST_LANES = {
     # a python child process or a process mesh of their own
     "test_shared_buffer::test_another_process_reads_the_published_version_cpu_backing": "actors",
     "test_shared_buffer::test_another_process_reads_through_cuda_ipc_gpu": "actors",
+    "test_shared_buffer::test_the_buffer_is_shared_while_the_trainer_allocates_in_expandable_segments": "actors",
     "test_shared_buffer::test_a_process_that_sees_only_another_gpu_reads_the_buffer_bitwise": "actors",
     "test_shared_buffer::test_stale_files_of_dead_processes_are_removed_and_live_ones_kept": "actors",
     "test_shared_buffer::test_a_one_megabyte_shm_is_a_message_not_a_sigbus": "actors",

@@ -17,8 +17,9 @@ MEASURED_GPU_LAYOUTS = {
     1: "trainer and generators on GPU 0, the synchronous loop",
     2: "measured 0.42x the one-GPU step on 2x H100 (median; 0.60x with micro-batches of 32), where a second "
     "generator on the trainer's GPU was slower (bench/NOTES.md)",
-    4: "measured 0.29x the one-GPU step on 4x H100 (same job), where one trainer rank and three generators took "
-    "0.42x (the trainer is the slower side) and four colocated ranks with a generator each 1.15x (bench/NOTES.md)",
+    4: "measured 0.29x the one-GPU step on 4x H100 (same job) and 0.22x per unit of work at 4x the prompts, where "
+    "one trainer rank and three generators took 0.42x (the trainer is the slower side) and four colocated ranks with "
+    "a generator each 1.15x (bench/NOTES.md)",
 }
 """GPU counts whose `gpu_layout` was measured fastest (bench/gpu_check.sh), and what was measured."""
 

@@ -588,9 +588,10 @@ def _ipc_shareable_empty(nbytes: int, device: torch.device) -> tuple[torch.Tenso
     if not _expandable_segments_on() or not hasattr(torch.cuda, "MemPool"):
         return torch.empty(nbytes, dtype=torch.uint8, device=device), None
     pool = torch.cuda.MemPool()
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda": the current one
     torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     try:
-        with torch.cuda.use_mem_pool(pool, device=device):
+        with torch.cuda.use_mem_pool(pool, device=index):
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     finally:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
