@@ -505,8 +505,8 @@ class _CollectiveFuture:
             except Exception:  # noqa: BLE001 - that rank failed too (or died): it is not waiting
                 pass
             silent -= 1
-        if silent <= 0:
-            raise error
+        if silent <= 0 or self._mesh._dead():
+            raise error  # a rank that died is told as a death (Pending), not as ranks left waiting
         self._mesh.on_wedged()
         raise CollectiveRankError(
             f"{_last_line(error)}\n[meshrl] a rank raised that inside a call its other {silent} rank(s) were still "
