@@ -139,6 +139,10 @@ def gpu_math() -> GRPORunConfig:
     return GRPORunConfig(
         task="arithmetic",
         model=ModelConfig(flavor="small", bpe_vocab_size=512),
+        # Whole warm-up batches in one call: sequences of <= 64 tokens on a 63M model are far inside the token budget,
+        # and each call costs fixed host work (one H100: 0.48 s a warm-up step in 4 calls of 32; on CPU with the tiny
+        # flavor 0.60 -> 0.45 s a step with 128). Numerics unchanged (the same update to float rounding).
+        trainer=TrainerConfig(micro_batch_size=128),
         optim=OptimConfig(lr=1e-4, schedule="constant", grad_clip=1.0),
         generator=GeneratorConfig(max_model_len=64, max_tokens=12, temperature=1.0),
         grpo=GRPOConfig(steps=100, prompts_per_step=64, group_size=8),
