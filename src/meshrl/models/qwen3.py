@@ -20,6 +20,7 @@ import torch
 
 from meshrl.models.hf_config import max_positions
 from meshrl.models.hf_config import read_config as read_hf_config  # noqa: F401 - public here too
+from meshrl.models.titan_import import import_torchtitan_qwen3
 
 # The HF config of the 'tiny' CPU flavor; vocab_size comes from the task's tokenizer.
 TINY_HF_CONFIG: dict[str, Any] = dict(
@@ -57,6 +58,7 @@ def hf_config_dict(flavor: str, vocab_size: int) -> dict[str, Any]:
     if flavor in CODE_FLAVORS:
         fields = dict(CODE_FLAVORS[flavor])
     elif flavor in TITAN_FLAVORS:
+        import_torchtitan_qwen3()
         from torchtitan.models.qwen3 import qwen3_configs
 
         tc = qwen3_configs[flavor]("flex")
@@ -96,6 +98,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
     """torchtitan Qwen3Model.Config matching an HF Qwen3 config dict."""
+    import_torchtitan_qwen3()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import (
@@ -160,12 +163,14 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def titan_to_hf(state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    import_torchtitan_qwen3()
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(titan_cfg, None).to_hf(state_dict)
 
 
 def hf_to_titan(hf_state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    import_torchtitan_qwen3()
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(titan_cfg, None).from_hf(dict(hf_state_dict))
@@ -312,7 +317,7 @@ def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer,
     # transformers' generate and vLLM (without a tokenizer) read the special ids from the config.
     hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
     try:
-        import torchtitan.models.qwen3  # noqa: F401
+        import_torchtitan_qwen3()
     except ImportError:
         # torchtitan does not import on every torch (../shared/GPU.md: the GPU machine's 2.11), and the hf backend
         # does not need it: transformers' own initialisation then (normal, std initializer_range), same seed.
