@@ -285,13 +285,11 @@ def save_hf_checkpoint(
         cfg = dict(hf_config)
         cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        from transformers import GenerationConfig
-
         gen = {k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
         src_eos = _source_generation_eos(tokenizer_dir)
         if src_eos is not None:
             gen["eos_token_id"] = src_eos
-        GenerationConfig(**gen).save_pretrained(tmp)
+        write_generation_config(tmp, gen)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif tokenizer_dir is not None:
@@ -299,6 +297,27 @@ def save_hf_checkpoint(
                 if f.is_file() and is_tokenizer_file(f.name):
                     shutil.copyfile(f, tmp / f.name)  # contents only: the modes are set for the whole tree
     return Path(path)
+
+
+def write_generation_config(directory: str | os.PathLike, token_ids: dict[str, Any]) -> None:
+    """`generation_config.json` in `directory` for the special token ids `token_ids` (eos_token_id, pad_token_id,
+    bos_token_id: ints, eos also a list), as `transformers.GenerationConfig(**token_ids).save_pretrained` writes it
+    (tests/test_model_hf.py compares the bytes). Written here for non-negative ids: importing transformers for it
+    cost a torchtitan trainer rank ~1.7 CPU-s at every export; anything else goes through transformers, which
+    checks it (a negative pad id is refused there)."""
+
+    def plain(v) -> bool:
+        return type(v) is int and v >= 0 or isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)
+
+    if set(token_ids) <= {"eos_token_id", "pad_token_id", "bos_token_id"} and all(map(plain, token_ids.values())):
+        from importlib.metadata import version
+
+        body = {**token_ids, "transformers_version": version("transformers")}
+        (Path(directory) / "generation_config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        return
+    from transformers import GenerationConfig
+
+    GenerationConfig(**token_ids).save_pretrained(directory)
 
 
 def build_model_on_meta(titan_cfg) -> torch.nn.Module:
