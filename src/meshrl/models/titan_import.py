@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 
@@ -44,20 +45,27 @@ class DeferredCompile:
         return self.materialize()(*args, **kwargs)
 
 
+def deferring(compile_fn):
+    """`compile_fn` (torch.compile), except that a plain function's wrapper is a `DeferredCompile`. With
+    TORCHDYNAMO_DISABLE=1 (meshrl's CPU vLLM engine sets it) torch.compile gives the function back at once, without
+    inductor: that answer is taken now, as the variable reads now, not at a later first call."""
+
+    def compile(model=None, **kwargs):
+        if inspect.isfunction(model) and os.environ.get("TORCHDYNAMO_DISABLE", "") != "1":
+            return DeferredCompile(compile_fn, model, kwargs)
+        return compile_fn(model, **kwargs) if model is not None else compile_fn(**kwargs)
+
+    return compile
+
+
 def import_torchtitan_qwen3():
     """`torchtitan.models.qwen3`, imported (once per process) with the torch.compile calls its import makes on plain
     functions deferred (`DeferredCompile`). ImportError as the plain import raises it."""
     if (module := sys.modules.get("torchtitan.models.qwen3")) is not None:  # None there: the import raises
         return module
     real = torch.compile
-
-    def deferring_compile(model=None, **kwargs):
-        if inspect.isfunction(model):
-            return DeferredCompile(real, model, kwargs)
-        return real(model, **kwargs) if model is not None else real(**kwargs)
-
     with _lock:
-        torch.compile = deferring_compile
+        torch.compile = deferring(real)
         try:
             import torchtitan.models.qwen3 as module
         finally:
