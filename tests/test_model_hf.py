@@ -131,3 +131,29 @@ def test_a_new_model_is_made_without_torchtitan(monkeypatch, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.config.vocab_size == len(tok) and (path / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        dict(eos_token_id=1, pad_token_id=0, bos_token_id=2),
+        dict(eos_token_id=[151645, 151643], pad_token_id=151643),  # Qwen's two stop ids
+        dict(eos_token_id=3),
+        {},
+        dict(eos_token_id=1, pad_token_id=-1),  # refused by transformers' check: it still goes through it
+    ],
+)
+def test_generation_config_is_written_as_transformers_writes_it(ids, tmp_path):
+    from transformers import GenerationConfig
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    try:
+        GenerationConfig(**ids).save_pretrained(theirs)
+    except ValueError as e:
+        with pytest.raises(ValueError, match="pad_token_id"):
+            qwen3.write_generation_config(ours, ids)
+        assert "pad_token_id" in str(e)
+        return
+    qwen3.write_generation_config(ours, ids)
+    assert (ours / "generation_config.json").read_bytes() == (theirs / "generation_config.json").read_bytes()

@@ -20,6 +20,7 @@ import torch
 
 from meshrl.models.hf_config import max_positions
 from meshrl.models.hf_config import read_config as read_hf_config  # noqa: F401 - public here too
+from meshrl.models.titan_import import import_torchtitan_qwen3
 
 # The HF config of the 'tiny' CPU flavor; vocab_size comes from the task's tokenizer.
 TINY_HF_CONFIG: dict[str, Any] = dict(
@@ -57,6 +58,7 @@ def hf_config_dict(flavor: str, vocab_size: int) -> dict[str, Any]:
     if flavor in CODE_FLAVORS:
         fields = dict(CODE_FLAVORS[flavor])
     elif flavor in TITAN_FLAVORS:
+        import_torchtitan_qwen3()
         from torchtitan.models.qwen3 import qwen3_configs
 
         tc = qwen3_configs[flavor]("flex")
@@ -96,6 +98,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
 
 def titan_config_from_hf(hf: dict[str, Any], *, attn_backend: str = "sdpa"):
     """torchtitan Qwen3Model.Config matching an HF Qwen3 config dict."""
+    import_torchtitan_qwen3()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.qwen3 import (
@@ -160,12 +163,14 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def titan_to_hf(state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    import_torchtitan_qwen3()
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(titan_cfg, None).to_hf(state_dict)
 
 
 def hf_to_titan(hf_state_dict: dict[str, torch.Tensor], titan_cfg) -> dict[str, torch.Tensor]:
+    import_torchtitan_qwen3()
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     return Qwen3StateDictAdapter(titan_cfg, None).from_hf(dict(hf_state_dict))
@@ -280,13 +285,11 @@ def save_hf_checkpoint(
         cfg = dict(hf_config)
         cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        from transformers import GenerationConfig
-
         gen = {k: cfg[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id") if cfg.get(k) is not None}
         src_eos = _source_generation_eos(tokenizer_dir)
         if src_eos is not None:
             gen["eos_token_id"] = src_eos
-        GenerationConfig(**gen).save_pretrained(tmp)
+        write_generation_config(tmp, gen)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif tokenizer_dir is not None:
@@ -294,6 +297,27 @@ def save_hf_checkpoint(
                 if f.is_file() and is_tokenizer_file(f.name):
                     shutil.copyfile(f, tmp / f.name)  # contents only: the modes are set for the whole tree
     return Path(path)
+
+
+def write_generation_config(directory: str | os.PathLike, token_ids: dict[str, Any]) -> None:
+    """`generation_config.json` in `directory` for the special token ids `token_ids` (eos_token_id, pad_token_id,
+    bos_token_id: ints, eos also a list), as `transformers.GenerationConfig(**token_ids).save_pretrained` writes it
+    (tests/test_model_hf.py compares the bytes). Written here for non-negative ids: importing transformers for it
+    cost a torchtitan trainer rank ~1.7 CPU-s at every export; anything else goes through transformers, which
+    checks it (a negative pad id is refused there)."""
+
+    def plain(v) -> bool:
+        return type(v) is int and v >= 0 or isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)
+
+    if set(token_ids) <= {"eos_token_id", "pad_token_id", "bos_token_id"} and all(map(plain, token_ids.values())):
+        from importlib.metadata import version
+
+        body = {**token_ids, "transformers_version": version("transformers")}
+        (Path(directory) / "generation_config.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        return
+    from transformers import GenerationConfig
+
+    GenerationConfig(**token_ids).save_pretrained(directory)
 
 
 def build_model_on_meta(titan_cfg) -> torch.nn.Module:
@@ -312,7 +336,7 @@ def create_random_checkpoint(path: str | os.PathLike, *, flavor: str, tokenizer,
     # transformers' generate and vLLM (without a tokenizer) read the special ids from the config.
     hf.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos)
     try:
-        import torchtitan.models.qwen3  # noqa: F401
+        import_torchtitan_qwen3()
     except ImportError:
         # torchtitan does not import on every torch (../shared/GPU.md: the GPU machine's 2.11), and the hf backend
         # does not need it: transformers' own initialisation then (normal, std initializer_range), same seed.

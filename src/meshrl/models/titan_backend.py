@@ -21,6 +21,7 @@ from meshrl.models import qwen3
 from meshrl.models.hf_config import check_backend_supports, max_positions
 from meshrl.models.logprobs import LogprobHead, target_logprobs
 from meshrl.models.sharding import full_tensor, reduce_dtype, use_fsdp
+from meshrl.models.titan_import import compile_deferred_kernels
 
 if TYPE_CHECKING:
     from meshrl.models.config import ModelConfig, TrainerConfig
@@ -99,6 +100,10 @@ class TorchtitanBackend:
         check_backend_supports(model_dir, "torchtitan")  # a clear ConfigError for a Llama/GPT-2/... checkpoint
         self.hf_config = qwen3.read_hf_config(model_dir)
         self.titan_config = qwen3.titan_config_from_hf(self.hf_config, attn_backend=attn_backend)
+        if attn_backend != "sdpa" or compile:
+            # Flex attention calls torchtitan's compiled kernels, and dynamo traces a compiled model into them:
+            # make them now, as torchtitan would have at import (meshrl.models.titan_import).
+            compile_deferred_kernels()
         self.max_seq_len = max_positions(self.hf_config)
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.model = self._build_fsdp_model(param_dtype, master_dtype)
