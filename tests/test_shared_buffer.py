@@ -246,7 +246,7 @@ def test_another_process_reads_through_cuda_ipc_gpu():
 def test_the_buffer_is_shared_while_the_trainer_allocates_in_expandable_segments():
     """The trainer's allocator uses expandable segments on GPUs (TrainerConfig.expandable_segments); the buffer is
     still a plain allocation of its own pool, which a generator opens by its CUDA IPC handle and reads exactly."""
-    from meshrl.weight_sync.shared_buffer import use_expandable_segments
+    from meshrl.devices import use_expandable_segments
 
     before = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     try:

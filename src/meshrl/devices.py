@@ -61,6 +61,22 @@ def pin_process(devices: Sequence[int] | None, rank: int) -> int | None:
     return device
 
 
+def use_expandable_segments() -> bool:
+    """This process's CUDA allocations go into expandable segments (TrainerConfig.expandable_segments), unless the
+    user set PYTORCH_CUDA_ALLOC_CONF: theirs stands. Returns whether they are on."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        import torch
+
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return expandable_segments_on()
+
+
+def expandable_segments_on() -> bool:
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "expandable_segments:true" in settings
+
+
 def check_devices(devices: Sequence[int] | None, flag: str) -> None:
     """Config-time check of a devices list (raises ValueError naming the flag)."""
     if devices is None:

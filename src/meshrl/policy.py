@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from meshrl.batching import activation_bytes_per_token, pack_rows, token_budget
+from meshrl.devices import use_expandable_segments
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
 from meshrl.models.config import ModelConfig, TrainerConfig
@@ -35,7 +36,6 @@ from meshrl.models.sharding import full_tensor
 from meshrl.models.titan_backend import TorchtitanBackend
 from meshrl.optim import FusedAdamW, host_copy_when_ready
 from meshrl.types import Datum, ForwardBackwardResult, LossSpec, OptimParams, OptimResult
-from meshrl.weight_sync.shared_buffer import use_expandable_segments
 
 if TYPE_CHECKING:
     from meshrl.weight_sync.flat_gather import FlatGather

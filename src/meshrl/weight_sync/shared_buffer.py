@@ -78,6 +78,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from meshrl.devices import expandable_segments_on
+
 ALIGN = 256
 """Byte alignment of every tensor in the flat buffer: any dtype can view it, and vectorised copies stay aligned."""
 
@@ -564,20 +566,6 @@ class PublishStats:
     copy_s: float  # pack + device sync
 
 
-def use_expandable_segments() -> bool:
-    """This process's CUDA allocations go into expandable segments (TrainerConfig.expandable_segments), unless the
-    user set PYTORCH_CUDA_ALLOC_CONF: theirs stands. Returns whether they are on."""
-    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return _expandable_segments_on()
-
-
-def _expandable_segments_on() -> bool:
-    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    return "expandable_segments:true" in settings
-
-
 def _ipc_shareable_empty(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
     """A buffer other processes can open with its CUDA IPC handle (and the memory pool that holds it, kept with it).
     With expandable segments on, torch shares an allocation through a file-descriptor handle of the segment
@@ -585,7 +573,7 @@ def _ipc_shareable_empty(nbytes: int, device: torch.device) -> tuple[torch.Tenso
     reservation, and torch's handling of it has changed between releases. So the buffer is made as a plain
     cudaMalloc allocation, the setting off for it and in a pool of its own (the main pool's cached blocks are in
     expandable segments)."""
-    if not _expandable_segments_on() or not hasattr(torch.cuda, "MemPool"):
+    if not expandable_segments_on() or not hasattr(torch.cuda, "MemPool"):
         return torch.empty(nbytes, dtype=torch.uint8, device=device), None
     pool = torch.cuda.MemPool()
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda": the current one
