@@ -22,6 +22,8 @@
 #                                            # run ('vllm-ipc': the load check alone, eager engine)
 #   bash bench/gpu_run.sh vllm-loop [args]   # (carries .whl) the VMM KV-cache GPU test, then
 #                                            # bench/one_gpu_memory.py [args] with vLLM in the GRPO loop
+#   bash bench/gpu_run.sh vision-vllm [args] # (.whl carried here or by an earlier call) vLLM on image prompts: the
+#                                            # engine tests on tiny VLMs, then bench/vision_gpu.py [args]
 #   bash bench/gpu_run.sh titan-vllm [configs] # (carries .whl_titan; after vllm-loop) torchtitan on torch 2.14:
 #                                            # the fused Kahan AdamW kernel's GPU tests and bench/kahan_kernel.py, then
 #                                            # trainer_speed.py --backend torchtitan (flex without max-autotune, which
@@ -124,6 +126,25 @@ vllm-loop)
     | tail -15 | tee "$OUT/test_transformers_engine_vmm_gpu.log"
   cd bench && timeout "${LOOP_TIMEOUT:-400}" python3 one_gpu_memory.py "${@:2}" 2>&1 \
     | grep -v -E "Warning|warnings.warn" | tail -60 | tee "$OUT/one_gpu_memory_vllm.log"
+  ;;
+vision-vllm)
+  # issue 34: the vision-language path on vLLM (its models import torchvision, which the CPU machines cannot load):
+  # meshrl's VLLMEngine and raw vLLM against the hf trainer / transformers on tiny image checkpoints (float32), then
+  # [args] to bench/vision_gpu.py (e.g. --engine vllm: the GRPO program on the real-sized tower). .whl installed into
+  # /tmp/sitew by an earlier call on the same machine, or carried now.
+  vllm_stack || exit 1
+  [ -d /tmp/sitew/monarch ] || pipi /tmp/sitew .whl/*.whl || exit 1
+  rm -rf /tmp/meshrl-tree && mkdir -p /tmp/meshrl-tree && cp -r src/meshrl /tmp/meshrl-tree/ || exit 1
+  for d in actors controller configs; do cp -r "$d" /tmp/meshrl-tree/meshrl/ || exit 1; done
+  export PYTHONPATH=/tmp/meshrl-tree:$PYTHONPATH:/tmp/sitew
+  python3 -c "import torch, torchvision, vllm, transformers, monarch; print('torch', torch.__version__, 'torchvision', \
+torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  if [ -z "${VISION_SKIP_TESTS:-}" ]; then
+    timeout "${VISION_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=8 \
+      tests/test_vllm_engine_vision.py tests/test_vlm_models.py 2>&1 | grep -v -E "Warning|warnings.warn" | tail -40 \
+      | tee "$OUT/test_vllm_vision_gpu.log"
+  fi
+  [ $# -lt 2 ] || { cd bench && python3 vision_gpu.py "${@:2}" 2>&1 | grep -v -E "Warning|warnings.warn" | tail -30; }
   ;;
 titan-vllm)
   vllm_stack || exit 1

@@ -54,11 +54,13 @@ def make_model(out: Path, *, tiny: bool, image_size: int) -> Path:
     return out
 
 
-def run_program(model: Path, name: str, dtype: str, steps: int, image_size: int, runs: Path, log: Path) -> float:
+def run_program(
+    model: Path, name: str, dtype: str, steps: int, image_size: int, runs: Path, log: Path, engine: str = "transformers"
+) -> float:
     cpu = bool(os.environ.get("VISION_GPU_CPU"))
     flags = {
         "--model.path": model, "--model.backend": "hf", "--model.dtype": dtype, "--generator.dtype": dtype,
-        "--trainer.device": "cpu" if cpu else "cuda", "--trainer.num-procs": 1, "--generator.engine": "transformers",
+        "--trainer.device": "cpu" if cpu else "cuda", "--trainer.num-procs": 1, "--generator.engine": engine,
         "--generator.max-model-len": 96 if cpu else 160, "--generator.max-tokens": 32, "--task": "shapes",
         "--shapes.image-size": image_size, "--shapes.num-train": 2000, "--shapes.num-eval": 32,
         "--grpo.prompts-per-step": 4 if cpu else 32, "--grpo.group-size": 2 if cpu else 8, "--grpo.steps": steps,
@@ -92,6 +94,13 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a CPU smoke test of this script)")
     ap.add_argument("--steps", type=int, default=8, help="GRPO steps of the bf16 run (the float32 run: 3)")
     ap.add_argument("--image-size", type=int, default=224, help="pixels a side (224: 64 image tokens a picture)")
+    ap.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="the generator engine (vllm: the vLLM pieces of bench/gpu_run.sh vision-vllm)",
+    )
+    ap.add_argument("--rows", default="bf16,fp32", help="which runs, comma-separated: bf16 (speed), fp32 (parity)")
     args = ap.parse_args()
     ensure_meshrl_layout()
     out = Path(os.environ.get("OUT", "/tmp/out"))
@@ -106,14 +115,18 @@ def main() -> int:
     print(f"model made in {time.perf_counter() - t0:.0f} s: {cfg['architectures']}, vision depth "
           f"{cfg['vision_config']['depth']} x {cfg['vision_config']['hidden_size']}", flush=True)  # fmt: skip
     rows = {}
+    wanted = set(args.rows.split(","))
     for name, dtype, steps in (("bf16", "bfloat16", args.steps), ("fp32", "float32", 3)):
+        if name not in wanted:
+            continue
+        name = name if args.engine == "transformers" else f"{name}_{args.engine}"
         run_dir = work / "runs" / name
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)
         log = out / f"vision_gpu_{name}.log"
-        wall = run_program(model, name, dtype, steps, image_size, work / "runs", log)
+        wall = run_program(model, name, dtype, steps, image_size, work / "runs", log, args.engine)
         for f in ("metrics.jsonl", "timeline.png"):
             if (run_dir / f).exists():
                 (out / f"vision_gpu_{name}_{f}").write_bytes((run_dir / f).read_bytes())
@@ -122,14 +135,16 @@ def main() -> int:
         except (OSError, StopIteration, statistics.StatisticsError):
             rows[name] = {"failed": True}
             print(f"{name}: FAILED; the log's end:\n" + "".join(open(log).readlines()[-25:]), flush=True)
-    (out / "vision_gpu.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'run':5} {'steps':>5} {'step s':>7} {'generate':>8} {'train':>6} {'sync s':>7} {'diff mean':>10} "
+    (out / f"vision_gpu{'' if args.engine == 'transformers' else '_' + args.engine}.json").write_text(
+        json.dumps(rows, indent=1)
+    )
+    print(f"\n{'run':10} {'steps':>5} {'step s':>7} {'generate':>8} {'train':>6} {'sync s':>7} {'diff mean':>10} "
           f"{'diff max':>9} {'peak GiB':>8} {'wall s':>6}")  # fmt: skip
     for name, r in rows.items():
         if r.get("failed"):
-            print(f"{name:5} FAILED (vision_gpu_{name}.log)")
+            print(f"{name:10} FAILED (vision_gpu_{name}.log)")
             continue
-        print(f"{name:5} {r['steps']:5} {r['step_s']:7.2f} {r['generate_s']:8.2f} {r['train_s']:6.2f} "
+        print(f"{name:10} {r['steps']:5} {r['step_s']:7.2f} {r['generate_s']:8.2f} {r['train_s']:6.2f} "
               f"{r['sync_s']:7.3f} {r['logprob_diff_mean']:10.2e} {r['logprob_diff_max']:9.2e} {r['peak_gib']:8.1f} "
               f"{r['wall_s']:6.0f}")  # fmt: skip
     print("(diff: the trainer's vs the generator's logprob of each sampled token, nats; mean over steps, max of all)")

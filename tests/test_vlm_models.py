@@ -157,6 +157,10 @@ def llm(vlm):
     from meshrl.generation.base import DEFAULT_CPU_KV_CACHE_BYTES
 
     vllm = pytest.importorskip("vllm")
+    # The engine core in this process on a GPU too (on CPU meshrl's import sets it): a `unit` test starts no processes.
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = vllm.LLM(
         model=vlm[1],
         dtype="float32",

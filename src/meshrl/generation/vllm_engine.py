@@ -57,6 +57,14 @@ _SUPPRESSED = -1.0e9  # the logit bias of a token the model may not write (exp u
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
 
 
+def _has_video_input(model_dir: str) -> bool:
+    """Whether a vision-language checkpoint also takes videos (Qwen-VL families: a video token in its config)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return "video_token_id" in json.load(f)
+
+
 def _finish_reason(reason: str | None) -> str:
     if reason == "length":
         return "length"
@@ -181,6 +189,8 @@ class VLLMEngine:
             # Token ids in and out; no detokenisation. A vision-language model's multimodal processor needs the
             # tokenizer (vLLM refuses to build it without one); outputs are still not detokenised (detokenize=False).
             skip_tokenizer_init=not vision,
+            # meshrl sends images, never videos: no video budget in vLLM's encoder profiling and cache.
+            **({"limit_mm_per_prompt": {"video": 0}} if vision and _has_video_input(model_dir) else {}),
             logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,

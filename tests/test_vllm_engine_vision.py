@@ -1,0 +1,155 @@
+"""meshrl's vLLM engine (`VLLMEngine`) on vision-language models (issue 34): image prompts in meshrl's form (the
+renderer's expanded image tokens and the wire-encoded images, as a generator receives them), sampled-token logprobs
+against the hf trainer's, scoring image sequences, placeholders never sampled, and a weight update that reaches the
+vision tower under the trainer's names. Tiny random Qwen2.5-VL and Qwen3-VL checkpoints made in code, float32.
+
+vLLM's vision-language models import torchvision, which does not load beside this CPU build of torch
+(tests/test_vlm_models.py says why): these tests skip here and run on the GPU machine (`bash bench/gpu_run.sh
+vision-vllm`), where the vLLM pieces carry a torchvision built for their torch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from meshrl.models.tiny_vlm import VLM_ARCHS, create_tiny_vlm
+from meshrl.rollout.images import wire_image
+from meshrl.rollout.render import Renderer
+from meshrl.rollout.row import Row
+from meshrl.types import Datum, SamplingParams
+
+
+def _torchvision_error() -> str | None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # ImportError, or the RuntimeError of a CUDA build on the CPU torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+TORCHVISION_ERROR = _torchvision_error()
+pytestmark = pytest.mark.skipif(
+    TORCHVISION_ERROR is not None, reason=f"vLLM's vision-language models import torchvision ({TORCHVISION_ERROR})"
+)
+
+# Wider than transformers' 0.02, so that the next-token distributions are far from flat and an image moves them.
+INIT_RANGE = 0.1
+# float32 on both sides (the trainer on the CPU, vLLM on the GPU where it runs): the transformers engine's gap on the
+# GPU machine was 6.7e-6 (docs/vision.md); vLLM's own attention and rotary kernels add rounding, not more.
+ATOL = 1e-4
+
+
+def picture(seed: int, height: int = 64, width: int = 64):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def image_row(seed: int, height: int = 64) -> Row:
+    part = {"type": "image", "image": wire_image(picture(seed, height))}
+    return Row([{"role": "user", "content": [part, {"type": "text", "text": "How many shapes?"}]}], "3")
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHS)
+def vlm(request, tmp_path_factory, one_rank_group):
+    """(renderer, engine, trainer) of one family."""
+    from meshrl.generation.vllm_config import VLLMEngineConfig
+    from meshrl.generation.vllm_engine import VLLMEngine
+    from meshrl.policy import Policy
+
+    model_dir = str(create_tiny_vlm(tmp_path_factory.mktemp(request.param) / "model", request.param,
+                                    initializer_range=INIT_RANGE))  # fmt: skip
+    policy = Policy.from_options(model_dir, backend="hf", pad_id=0)
+    # The engine core in this process on a GPU too (on CPU it always is): a `unit` test starts no processes.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Eager: the engine starts in seconds instead of a minute of compilation and CUDA graphs, same numerics.
+    engine = VLLMEngine(model_dir, VLLMEngineConfig(enforce_eager=True), max_model_len=256,
+                        kv_cache_memory_bytes=64 * 2**20)  # fmt: skip
+    yield Renderer.from_model_dir(model_dir), engine, policy
+    engine.shutdown()
+
+
+def prompts_of(renderer: Renderer, rows: list[Row]) -> tuple[list[list[int]], list[tuple[bytes, ...]]]:
+    return [renderer.prompt_ids(r) for r in rows], [renderer.prompt_images(r) for r in rows]
+
+
+def trainer_gap(policy, prompts, images, groups) -> float:
+    """The largest |generator - trainer| logprob over every sampled token of `groups`."""
+    data, expected = [], []
+    for prompt, own, group in zip(prompts, images, groups, strict=True):
+        for c in group:
+            d = Datum.from_completion(prompt, c.token_ids, c.logprobs)
+            d.images = own
+            data.append(d)
+            expected.append((len(prompt), c.logprobs))
+    rows = policy.forward(data)
+    return max(
+        float(np.abs(np.array(row[n - 1 :]) - np.array(lp)).max()) for row, (n, lp) in zip(rows, expected, strict=True)
+    )
+
+
+def test_sampled_and_scored_logprobs_equal_the_trainers_on_image_prompts(vlm):
+    renderer, engine, policy = vlm
+    prompts, images = prompts_of(renderer, [image_row(0, 64), image_row(1, 128)])
+    assert len(prompts[0]) < len(prompts[1])  # the taller image has more image tokens
+    groups = engine.generate(prompts, SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1), 0, images=images)
+    assert not {t for g in groups for c in g for t in c.token_ids} & set(engine.placeholder_ids)
+    gap = trainer_gap(policy, prompts, images, groups)
+    assert gap <= ATOL, f"vLLM's sampled-token logprobs differ from the trainer's by {gap:.2e} on image prompts"
+    # Scoring the same sequences (the reference / parity path): the trainer's rows, image targets included.
+    seqs = [p + c.token_ids for p, g in zip(prompts, groups, strict=True) for c in g]
+    own = [im for im, g in zip(images, groups, strict=True) for _ in g]
+    data = []
+    for s, im in zip(seqs, own, strict=True):
+        d = Datum.from_completion(s[:-1], s[-1:])
+        d.images = im
+        data.append(d)
+    for got, want, s in zip(engine.prompt_logprobs(seqs, images=own), policy.forward(data), seqs, strict=True):
+        # vLLM's raw prompt logprobs at image slots are its own (it scores the placeholder it expanded); compare the
+        # text positions, where both see the same tokens.
+        text = [i for i in range(len(want)) if s[i + 1] not in engine.placeholder_ids]
+        np.testing.assert_allclose(np.array(got)[text], np.array(want)[text], atol=ATOL)
+
+
+def test_greedy_sees_the_image(vlm):
+    renderer, engine, _ = vlm
+    greedy = SamplingParams(n=1, max_tokens=6, temperature=0.0)
+    prompts, images = prompts_of(renderer, [image_row(0), image_row(1)])
+    assert prompts[0] == prompts[1] and images[0] != images[1]  # the same tokens, two images
+    [a], [b] = engine.generate(prompts, greedy, 0, images=images)
+    assert a.token_ids != b.token_ids or np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() > 1e-2
+
+
+def test_weights_synced_under_the_trainers_names_reach_the_vision_tower(vlm):
+    """The trainer's published tensors (its checkpoint names) load as they are; a changed patch embedding moves the
+    engine's logprobs (vLLM's loader maps the names onto its tower), and the original brings them back."""
+    renderer, engine, policy = vlm
+    greedy = SamplingParams(n=1, max_tokens=4, temperature=0.0)
+    prompts, images = prompts_of(renderer, [image_row(0)])
+    logprobs = lambda: [c.logprobs for g in engine.generate(prompts, greedy, 0, images=images) for c in g]  # noqa: E731
+    before = logprobs()
+    published = policy.hf_state_dict()
+    name = next(k for k in published if "visual." in k and k.endswith("patch_embed.proj.weight"))
+    engine.load_weights(published)
+    np.testing.assert_allclose(logprobs()[0], before[0], atol=1e-6)
+    changed = dict(published)
+    changed[name] = published[name] + 0.5 * torch.randn(
+        published[name].shape, generator=torch.Generator().manual_seed(0)
+    )
+    engine.load_weights(changed)
+    assert np.abs(np.array(logprobs()[0]) - np.array(before[0])).max() > 1e-3
+    engine.load_weights({name: published[name]})
+    np.testing.assert_allclose(logprobs()[0], before[0], atol=1e-6)
+
+
+def test_text_prompts_mixed_with_image_prompts(vlm):
+    renderer, engine, policy = vlm
+    rows = [image_row(0, 64), Row("How many shapes are there?"), image_row(2, 96)]
+    prompts, images = prompts_of(renderer, rows)
+    assert images[1] == ()
+    groups = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=3), 0, images=images)
+    gap = trainer_gap(policy, prompts, images, groups)
+    assert gap <= ATOL, gap
