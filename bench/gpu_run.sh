@@ -141,8 +141,8 @@ vision-vllm)
 torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   if [ -z "${VISION_SKIP_TESTS:-}" ]; then
     timeout "${VISION_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=8 \
-      tests/test_vllm_engine_vision.py tests/test_vlm_models.py 2>&1 | grep -v -E "Warning|warnings.warn" | tail -40 \
-      | tee "$OUT/test_vllm_vision_gpu.log"
+      tests/test_vllm_engine_vision.py tests/test_vlm_models.py > "$OUT/test_vllm_vision_gpu.log" 2>&1
+    grep -E "^(FAILED|ERROR)|Error:|assert|passed|failed" "$OUT/test_vllm_vision_gpu.log" | cut -c1-400 | tail -30
   fi
   [ $# -lt 2 ] || { cd bench && python3 vision_gpu.py "${@:2}" 2>&1 | grep -v -E "Warning|warnings.warn" | tail -30; }
   ;;

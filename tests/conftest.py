@@ -14,6 +14,8 @@ from markers import is_needs_cuda
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("MESHRL_PLOTS", "0")  # runs skip their PNGs (~3 s each); tests of the plots pass --log.plots
+# vLLM's usage-stats thread runs cpuinfo in a python child on a GPU machine (a `unit` test would then start a process)
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time: a missing local file must fail, not fetch
 # Actor processes inherit PYTHONPATH: user-written losses in tests/ (e.g. custom_algorithms.py) reach the trainer
 # by name ('custom_algorithms:my_loss'), as a user's own module would.
