@@ -140,9 +140,13 @@ vision-vllm)
   python3 -c "import torch, torchvision, vllm, transformers, monarch; print('torch', torch.__version__, 'torchvision', \
 torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   if [ -z "${VISION_SKIP_TESTS:-}" ]; then
-    timeout "${VISION_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=8 \
-      tests/test_vllm_engine_vision.py tests/test_vlm_models.py > "$OUT/test_vllm_vision_gpu.log" 2>&1
-    grep -E "^(FAILED|ERROR)|Error:|assert|passed|failed" "$OUT/test_vllm_vision_gpu.log" | cut -c1-400 | tail -30
+    # one pytest process per module: vLLM's in-process engines leave process-wide state (its parallel groups) that a
+    # raw vllm.LLM after a VLLMEngine's shutdown trips over
+    for m in test_vllm_engine_vision test_vlm_models; do
+      timeout "${VISION_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=5 \
+        "tests/$m.py" > "$OUT/${m}_gpu.log" 2>&1
+      echo "== $m"; grep -E "^(FAILED|ERROR)|Error:|^E  |passed|failed" "$OUT/${m}_gpu.log" | cut -c1-300 | tail -20
+    done
   fi
   [ $# -lt 2 ] || { cd bench && python3 vision_gpu.py "${@:2}" 2>&1 | grep -v -E "Warning|warnings.warn" | tail -30; }
   ;;

@@ -66,7 +66,8 @@ def vlm(request, tmp_path_factory, one_rank_group):
     # The engine core in this process on a GPU too (on CPU it always is): a `unit` test starts no processes.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # Eager: the engine starts in seconds instead of a minute of compilation and CUDA graphs, same numerics.
-    engine = VLLMEngine(model_dir, VLLMEngineConfig(enforce_eager=True), max_model_len=256,
+    # No sleep mode: vLLM's sleep allocator takes one engine per process, and each family makes one here.
+    engine = VLLMEngine(model_dir, VLLMEngineConfig(enforce_eager=True, enable_sleep_mode=False), max_model_len=256,
                         kv_cache_memory_bytes=64 * 2**20)  # fmt: skip
     yield Renderer.from_model_dir(model_dir), engine, policy
     engine.shutdown()

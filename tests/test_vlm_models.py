@@ -161,6 +161,7 @@ def llm(vlm):
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # float32 dots in vLLM's Triton attention, as VLLMEngine sets
     engine = vllm.LLM(
         model=vlm[1],
         dtype="float32",

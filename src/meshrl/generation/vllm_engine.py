@@ -152,6 +152,13 @@ class VLLMEngine:
             )
         if kv_cache_memory_bytes is None and not on_gpu:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if on_gpu and dtype == "float32":
+            # vLLM's Triton attention kernels (the decoder's TRITON_ATTN and the vision encoder's) call tl.dot without
+            # a precision, and Triton then multiplies float32 in TF32 (10-bit mantissa): on one H100 a tiny Qwen2.5-VL's
+            # sampled-token logprobs differed from the trainer's by 1.6e-3 that way. float32 is the parity setting, so
+            # its dots are IEEE here (Triton reads the variable when it compiles, in this process and vLLM's). A
+            # value the user set wins.
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         from vllm import LLM  # lazy: see module docstring
 
         # A default process group that exists before the engine (a trainer's, in the same process) is not vLLM's:
@@ -406,7 +413,7 @@ class VLLMEngine:
         if any(c != n for c in counts):
             raise RuntimeError(f"weight update reached the workers incompletely: {counts} of {n}")
         self._weights_discarded = False
-        self.llm.reset_prefix_cache()
+        self._drop_stale_caches()
 
     def load_weight_pieces(self, pieces) -> None:
         """vLLM's workers take whole tensors: the blocks are put together here first."""
@@ -429,8 +436,18 @@ class VLLMEngine:
         if len(versions) != 1:  # with version=None, workers reading while a newer one lands could disagree
             raise RuntimeError(f"vLLM workers loaded different weight versions {sorted(versions)}; pass a version")
         self._weights_discarded = False
-        self.llm.reset_prefix_cache()
+        self._drop_stale_caches()
         return versions.pop()
+
+    def _drop_stale_caches(self) -> None:
+        """After new weights: cached KV blocks (prefix cache) and, for a vision-language model, cached image
+        encodings were computed by the old weights. vLLM keeps an image's encoder output by the image's hash, and
+        RL prompts show the same images again step after step: without the reset the new policy would sample from
+        the old vision tower's features (and a worker-side miss of an entry the scheduler still lists is an error
+        in vLLM 0.33: 'Encoder cache miss')."""
+        self.llm.reset_prefix_cache()
+        if self.image_token_id is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     # ------------------------------------------------------------------ sleep mode (colocated trainer)
 
@@ -464,6 +481,8 @@ class VLLMEngine:
             )
         self.llm.wake_up(tags=sorted(self._asleep))
         self._sleep_level, self._asleep = 0, set()
+        if self.image_token_id is not None:  # encoder outputs held across a sleep are not trusted
+            self.llm.llm_engine.reset_encoder_cache()
 
     def memory(self) -> dict[str, Any]:
         """`base.process_memory` of the engine's device, plus 'sleep_level'. On GPU vLLM's engine core usually runs
