@@ -130,26 +130,29 @@ def tiny_vision() -> GRPORunConfig:
 
 def gpu_math() -> GRPORunConfig:
     """For a GPU machine: a ~63M-parameter Qwen3 made in code (--model.flavor small) with a BPE tokenizer and ChatML
-    template learns three-digit addition and subtraction ('What is 482 - 97?' -> '\\boxed{385}'): SFT on
-    demonstrations, then GRPO on math-verify's verdict; held-out greedy accuracy before RL and every 25 RL steps.
+    template learns two-digit addition and subtraction ('What is 82 - 17?' -> '\\boxed{65}'): SFT on
+    demonstrations, then GRPO on math-verify's verdict; held-out greedy accuracy before RL and every 20 RL steps.
 
     The GPU settings are left to the GPU defaults (docs/gpu.md): cuda, bf16 compute with float32 master weights,
     the hf backend unless torchtitan imports, vLLM when it imports, every GPU in the measured layout. Measured on one
-    H100 (CUDA_VISIBLE_DEVICES=0) in bench/NOTES.md ('gpu-math'). On a CPU it runs too, slowly."""
+    H100 (CUDA_VISIBLE_DEVICES=0, bench/NOTES.md 'gpu-math'): held-out greedy accuracy 0.000 -> 1.000 by the end of
+    the warm-up (131 s), 0.998 after RL: the SFT teaches the task and RL holds it (it has little left to add here).
+    On a CPU it runs too, slowly."""
     return GRPORunConfig(
         task="arithmetic",
         model=ModelConfig(flavor="small", bpe_vocab_size=512),
-        # Whole warm-up batches in one call: sequences of <= 64 tokens on a 63M model are far inside the token budget,
-        # and each call costs fixed host work (one H100: 0.48 s a warm-up step in 4 calls of 32; on CPU with the tiny
-        # flavor 0.60 -> 0.45 s a step with 128). Numerics unchanged (the same update to float rounding).
-        trainer=TrainerConfig(micro_batch_size=128),
+        # Whole warm-up batches in one call: sequences of <= 40 tokens on a 63M model are far inside the token budget,
+        # and each call costs fixed host work (one H100: 0.48 s a warm-up step in 4 calls of 32, 0.16 s in one of 256).
+        # Numerics unchanged (the same update to float rounding).
+        trainer=TrainerConfig(micro_batch_size=256),
         optim=OptimConfig(lr=1e-4, schedule="constant", grad_clip=1.0),
         generator=GeneratorConfig(max_model_len=64, max_tokens=12, temperature=1.0),
-        grpo=GRPOConfig(steps=100, prompts_per_step=64, group_size=8),
-        # Three-digit operands: a space of 2M questions, far more than the warm-up sees, so accuracy needs the rule.
-        warmup=WarmupConfig(steps=600, batch_size=128, lr=1e-3),
-        arithmetic=ArithmeticConfig(num_train=100_000, num_eval=500, operations="+-", max_value=999),
-        eval=EvalConfig(every=25, samples=8),
+        grpo=GRPOConfig(steps=40, prompts_per_step=64, group_size=8),
+        # Measured on one H100: 128 demonstrations a step for 300 steps left greedy accuracy at 0.08 (600 steps on
+        # three-digit operands: 0.02); 256 a step for 800 steps reached 1.000.
+        warmup=WarmupConfig(steps=800, batch_size=256, lr=1e-3),
+        arithmetic=ArithmeticConfig(num_train=14000, num_eval=500, operations="+-", max_value=99),
+        eval=EvalConfig(every=20, samples=8),
     )
 
 

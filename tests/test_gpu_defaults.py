@@ -97,7 +97,7 @@ def test_a_cpu_preset_stays_on_cpu_and_says_why(monkeypatch, capsys):
 
 @pytest.mark.parametrize("gpus", [1, 4])
 def test_the_gpu_preset_takes_the_gpu_defaults(monkeypatch, gpus):
-    """gpu-math states the job (a 'small' Qwen3 made in code, three-digit arithmetic, SFT then GRPO) and leaves every
+    """gpu-math states the job (a 'small' Qwen3 made in code, two-digit arithmetic, SFT then GRPO) and leaves every
     GPU setting to the defaults; on a CPU it stays a CPU config."""
     from meshrl.models.qwen3 import hf_config_dict
 

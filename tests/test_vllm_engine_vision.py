@@ -109,10 +109,14 @@ def test_sampled_and_scored_logprobs_equal_the_trainers_on_image_prompts(vlm):
         d.images = im
         data.append(d)
     for got, want, s in zip(engine.prompt_logprobs(seqs, images=own), policy.forward(data), seqs, strict=True):
-        # vLLM's raw prompt logprobs at image slots are its own (it scores the placeholder it expanded); compare the
-        # text positions, where both see the same tokens.
+        # At text positions. vLLM's prompt logprobs are raw (VLLMEngine.prompt_logprobs): their distribution keeps the
+        # image placeholders' share, which the trainer's leaves out, so they lie below the trainer's by
+        # -log(1 - share): measured on one H100 up to 0.033 for these random models (a trained model gives the
+        # placeholders next to nothing), never above. (The sampled-token logprobs above agree: vLLM samples with the
+        # placeholders suppressed.)
         text = [i for i in range(len(want)) if s[i + 1] not in engine.placeholder_ids]
-        np.testing.assert_allclose(np.array(got)[text], np.array(want)[text], atol=ATOL)
+        below = np.array(want)[text] - np.array(got)[text]
+        assert below.min() >= -ATOL and below.max() <= 0.1, (below.min(), below.max())
 
 
 def test_greedy_sees_the_image(vlm):

@@ -349,7 +349,8 @@ class VLLMEngine:
         is fed `seq[:-1]`: its prompt logprobs give positions 1 .. len-2 and the logprob of `seq[-1]` at the
         first generated position (asked for with `logprob_token_ids`) gives the last one. `images`: per sequence,
         its encoded images. Prompt logprobs are vLLM's raw ones: with image placeholders they include the
-        placeholders' (tiny) share of the distribution, which the trainer leaves out.
+        placeholders' share of the distribution, which the trainer leaves out (a trained model gives them next to
+        nothing; a random one a few percent: up to 0.033 nats lower on one H100, tests/test_vllm_engine_vision.py).
         """
         from vllm import SamplingParams as VSamplingParams
 
