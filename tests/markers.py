@@ -21,6 +21,23 @@ needs_two_gpus = pytest.mark.skipif(
 """The test needs two GPUs (cross-GPU weight sync, the split layout): skipped elsewhere, and in the `gpu` lane."""
 
 
+def _torchvision_error() -> str | None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # ImportError, or the RuntimeError of a CUDA build on the CPU torch
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+TORCHVISION_ERROR = _torchvision_error()
+needs_torchvision = pytest.mark.skipif(
+    TORCHVISION_ERROR is not None,
+    reason=f"vLLM's vision-language models and the Qwen-VL processors import torchvision ({TORCHVISION_ERROR})",
+)
+"""The test needs torchvision, which no build loads beside the CPU machines' torch (tests/test_vlm_models.py says
+why): vLLM's vision-language models import it. Such tests run on the GPU machine (bench/gpu_run.sh vision-vllm)."""
+
+
 def is_needs_cuda(mark: pytest.Mark) -> bool:
     """Whether `mark` is `needs_cuda` or `needs_two_gpus` (a skipif mark compares by value, so this holds wherever
     it was applied)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from vision_rows import image_row, picture, prompts_of, sequences_to_score, trainer_gap
 
 from meshrl.generation.transformers_engine import TransformersEngine
 from meshrl.models.tiny_vlm import VLM_ARCHS, create_tiny_vlm
@@ -16,7 +17,7 @@ from meshrl.rollout.environment import Environment, StepResult
 from meshrl.rollout.images import wire_image
 from meshrl.rollout.render import Renderer
 from meshrl.rollout.row import Row
-from meshrl.types import Datum, SamplingParams
+from meshrl.types import SamplingParams
 
 # Wider than transformers' 0.02, so that the next-token distributions are far from flat and an image moves them
 # (tests/test_vlm_models.py says more).
@@ -29,17 +30,6 @@ ATOL = 1e-4
 STOPS = list(range(3, 512, 6))
 
 
-def picture(seed: int, height: int = 64, width: int = 64):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
-
-
-def image_row(seed: int, height: int = 64, text: str = "How many shapes?") -> Row:
-    part = {"type": "image", "image": wire_image(picture(seed, height))}
-    return Row([{"role": "user", "content": [part, {"type": "text", "text": text}]}], "3")
-
-
 @pytest.fixture(scope="module", params=VLM_ARCHS)
 def vlm(request, tmp_path_factory, one_rank_group):
     """(model dir, renderer, engine, trainer) of one family."""
@@ -50,25 +40,6 @@ def vlm(request, tmp_path_factory, one_rank_group):
     engine = TransformersEngine(model_dir, max_model_len=256, max_num_seqs=3, sync_every=2)
     yield model_dir, Renderer.from_model_dir(model_dir), engine, Policy.from_options(model_dir, backend="hf", pad_id=0)
     engine.shutdown()
-
-
-def prompts_of(renderer: Renderer, rows: list[Row]) -> tuple[list[list[int]], list[tuple[bytes, ...]]]:
-    return [renderer.prompt_ids(r) for r in rows], [renderer.prompt_images(r) for r in rows]
-
-
-def trainer_gap(policy, prompts, images, groups) -> float:
-    """The largest |generator - trainer| logprob over every sampled token of `groups`."""
-    data, expected = [], []
-    for prompt, own, group in zip(prompts, images, groups, strict=True):
-        for c in group:
-            d = Datum.from_completion(prompt, c.token_ids, c.logprobs)
-            d.images = own
-            data.append(d)
-            expected.append((len(prompt), c.logprobs))
-    rows = policy.forward(data)
-    return max(
-        float(np.abs(np.array(row[n - 1 :]) - np.array(lp)).max()) for row, (n, lp) in zip(rows, expected, strict=True)
-    )
 
 
 def logprobs_of(groups) -> list[list[float]]:
@@ -90,13 +61,7 @@ def test_sampled_logprobs_equal_the_trainers(vlm, monkeypatch):
     gap = trainer_gap(policy, prompts, images, groups)
     assert gap <= ATOL, gap
     # Scoring the same sequences: the trainer's rows, image targets (0 there) included.
-    seqs = [p + c.token_ids for p, g in zip(prompts, groups, strict=True) for c in g]
-    own = [im for im, g in zip(images, groups, strict=True) for _ in g]
-    data = []
-    for s, im in zip(seqs, own, strict=True):
-        d = Datum.from_completion(s[:-1], s[-1:])
-        d.images = im
-        data.append(d)
+    seqs, own, data = sequences_to_score(prompts, images, groups)
     for got, want in zip(engine.prompt_logprobs(seqs, images=own), policy.forward(data), strict=True):
         np.testing.assert_allclose(got, want, atol=ATOL)
 

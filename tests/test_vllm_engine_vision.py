@@ -14,43 +14,21 @@ import os
 import numpy as np
 import pytest
 import torch
+from markers import needs_torchvision
+from vision_rows import image_row, prompts_of, sequences_to_score, trainer_gap
 
 from meshrl.models.tiny_vlm import VLM_ARCHS, create_tiny_vlm
-from meshrl.rollout.images import wire_image
 from meshrl.rollout.render import Renderer
 from meshrl.rollout.row import Row
-from meshrl.types import Datum, SamplingParams
+from meshrl.types import SamplingParams
 
-
-def _torchvision_error() -> str | None:
-    try:
-        import torchvision  # noqa: F401
-    except Exception as e:  # ImportError, or the RuntimeError of a CUDA build on the CPU torch
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-TORCHVISION_ERROR = _torchvision_error()
-pytestmark = pytest.mark.skipif(
-    TORCHVISION_ERROR is not None, reason=f"vLLM's vision-language models import torchvision ({TORCHVISION_ERROR})"
-)
+pytestmark = needs_torchvision
 
 # Wider than transformers' 0.02, so that the next-token distributions are far from flat and an image moves them.
 INIT_RANGE = 0.1
 # float32 on both sides (the trainer on the CPU, vLLM on the GPU where it runs): the transformers engine's gap on the
 # GPU machine was 6.7e-6 (docs/vision.md); vLLM's own attention and rotary kernels add rounding, not more.
 ATOL = 1e-4
-
-
-def picture(seed: int, height: int = 64, width: int = 64):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
-
-
-def image_row(seed: int, height: int = 64) -> Row:
-    part = {"type": "image", "image": wire_image(picture(seed, height))}
-    return Row([{"role": "user", "content": [part, {"type": "text", "text": "How many shapes?"}]}], "3")
 
 
 @pytest.fixture(scope="module", params=VLM_ARCHS)
@@ -73,25 +51,6 @@ def vlm(request, tmp_path_factory, one_rank_group):
     engine.shutdown()
 
 
-def prompts_of(renderer: Renderer, rows: list[Row]) -> tuple[list[list[int]], list[tuple[bytes, ...]]]:
-    return [renderer.prompt_ids(r) for r in rows], [renderer.prompt_images(r) for r in rows]
-
-
-def trainer_gap(policy, prompts, images, groups) -> float:
-    """The largest |generator - trainer| logprob over every sampled token of `groups`."""
-    data, expected = [], []
-    for prompt, own, group in zip(prompts, images, groups, strict=True):
-        for c in group:
-            d = Datum.from_completion(prompt, c.token_ids, c.logprobs)
-            d.images = own
-            data.append(d)
-            expected.append((len(prompt), c.logprobs))
-    rows = policy.forward(data)
-    return max(
-        float(np.abs(np.array(row[n - 1 :]) - np.array(lp)).max()) for row, (n, lp) in zip(rows, expected, strict=True)
-    )
-
-
 def test_sampled_and_scored_logprobs_equal_the_trainers_on_image_prompts(vlm):
     renderer, engine, policy = vlm
     prompts, images = prompts_of(renderer, [image_row(0, 64), image_row(1, 128)])
@@ -101,13 +60,7 @@ def test_sampled_and_scored_logprobs_equal_the_trainers_on_image_prompts(vlm):
     gap = trainer_gap(policy, prompts, images, groups)
     assert gap <= ATOL, f"vLLM's sampled-token logprobs differ from the trainer's by {gap:.2e} on image prompts"
     # Scoring the same sequences (the reference / parity path): the trainer's rows, image targets included.
-    seqs = [p + c.token_ids for p, g in zip(prompts, groups, strict=True) for c in g]
-    own = [im for im, g in zip(images, groups, strict=True) for _ in g]
-    data = []
-    for s, im in zip(seqs, own, strict=True):
-        d = Datum.from_completion(s[:-1], s[-1:])
-        d.images = im
-        data.append(d)
+    seqs, own, data = sequences_to_score(prompts, images, groups)
     for got, want, s in zip(engine.prompt_logprobs(seqs, images=own), policy.forward(data), seqs, strict=True):
         # At text positions. vLLM's prompt logprobs are raw (VLLMEngine.prompt_logprobs): their distribution keeps the
         # image placeholders' share, which the trainer's leaves out, so they lie below the trainer's by

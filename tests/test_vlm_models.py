@@ -20,24 +20,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from markers import needs_torchvision  # noqa: E402
+
 from meshrl.models.tiny_vlm import VLM_ARCHS, create_tiny_vlm, default_pixels, image_token_count  # noqa: E402
 
 torch.set_num_threads(1)
 
-
-def _torchvision_error() -> str | None:
-    try:
-        import torchvision  # noqa: F401
-    except Exception as e:  # ImportError, or the RuntimeError of a CUDA build on the CPU torch
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-TORCHVISION_ERROR = _torchvision_error()
-needs_torchvision = pytest.mark.skipif(
-    TORCHVISION_ERROR is not None,
-    reason=f"vLLM's vision-language models and the Qwen-VL processors import torchvision ({TORCHVISION_ERROR})",
-)
 
 # Larger than transformers' 0.02, so that the random model's next-token distributions are far from flat (logits
 # spread over ~6) and the image moves them (by ~1-2 in logprob): a parity check on near-uniform logprobs would prove
