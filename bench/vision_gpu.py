@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,8 +70,17 @@ def run_program(
     args = [sys.executable, "-m", "meshrl.controller.grpo", "--run.no-gpu-defaults"]
     args += [str(x) for kv in flags.items() for x in kv]
     t0 = time.perf_counter()
+    limit = int(os.environ.get("VISION_GPU_TIMEOUT", 300))
     with open(log, "w") as f:
-        subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, timeout=int(os.environ.get("VISION_GPU_TIMEOUT", 300)))
+        # Its own session, so that a run over the limit is stopped with its actor processes; the steps it wrote to
+        # metrics.jsonl are still summarised.
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            print(f"{name}: stopped at the {limit} s limit (VISION_GPU_TIMEOUT); summarising the steps it logged")
     return time.perf_counter() - t0
 
 
