@@ -142,9 +142,11 @@ torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.
   if [ -z "${VISION_SKIP_TESTS:-}" ]; then
     # one pytest process per module: vLLM's in-process engines leave process-wide state (its parallel groups) that a
     # raw vllm.LLM after a VLLMEngine's shutdown trips over
-    for m in test_vllm_engine_vision test_vlm_models; do
+    # then the programs on vLLM (SFT, GRPO and eval of both families: test_vision_e2e's vllm cases)
+    for m in test_vllm_engine_vision test_vlm_models test_vision_e2e; do
+      only=(); [ $m = test_vision_e2e ] && only=(-k vllm)
       timeout "${VISION_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=5 \
-        "tests/$m.py" > "$OUT/${m}_gpu.log" 2>&1
+        "tests/$m.py" "${only[@]}" > "$OUT/${m}_gpu.log" 2>&1
       echo "== $m"; grep -E "^(FAILED|ERROR)|Error:|^E  |passed|failed" "$OUT/${m}_gpu.log" | cut -c1-300 | tail -20
     done
   fi

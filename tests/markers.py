@@ -6,6 +6,8 @@ it, so `pytest -m gpu` selects exactly the tests that need CUDA (and on a CPU ma
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -36,6 +38,10 @@ needs_torchvision = pytest.mark.skipif(
 )
 """The test needs torchvision, which no build loads beside the CPU machines' torch (tests/test_vlm_models.py says
 why): vLLM's vision-language models import it. Such tests run on the GPU machine (bench/gpu_run.sh vision-vllm)."""
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+"""The test runs vLLM (e.g. a program with --generator.engine vllm): the GPU machine's preinstalled stack lacks it."""
 
 
 def is_needs_cuda(mark: pytest.Mark) -> bool:

@@ -1,5 +1,6 @@
-"""Vision-language models through the real programs (issue 34), on real Monarch meshes, the hf trainer and meshrl's
-transformers engine (vLLM's vision-language models need torchvision, which this CPU build of torch cannot load):
+"""Vision-language models through the real programs (issue 34), on real Monarch meshes, the hf trainer and each
+engine: meshrl's transformers engine here, and vLLM where torchvision loads and a GPU is there (vLLM's vision-language
+models import torchvision, which this CPU build of torch cannot load; `bash bench/gpu_run.sh vision-vllm` runs them):
 
 - Qwen2.5-VL, made by the program (--model.flavor tiny-qwen2.5-vl): GRPO on the drawn-shapes task with an SFT
   warm-up, then `python -m meshrl.controller.eval` on its exported model over JSONL rows whose images are PNG files
@@ -14,7 +15,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
+from markers import needs_cuda, needs_torchvision, needs_vllm
 
+ENGINES = ["transformers", pytest.param("vllm", marks=[needs_cuda, needs_torchvision, needs_vllm])]
 COMMON = ["--trainer.num-procs", "1", "--trainer.micro-batch-size", "8", "--run.call-timeout-s", "180"]
 
 
@@ -39,14 +43,15 @@ def _pictures(root, n: int):
     return counts
 
 
-def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_image_files(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_image_files(tmp_path, engine):
     from meshrl.config import EvalRunConfig, GRPORunConfig
     from meshrl.controller import eval as eval_program
     from meshrl.controller import grpo
     from meshrl.controller.cli import parse_run_config
 
     argv = [
-        "--preset", "tiny-vision", *COMMON,
+        "--preset", "tiny-vision", *COMMON, "--generator.engine", engine,
         "--shapes.num-train", "64", "--shapes.num-eval", "8",
         "--warmup.steps", "2", "--warmup.batch-size", "8",
         "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2",
@@ -68,7 +73,7 @@ def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_ima
     data = tmp_path / "data" / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = [
-        "--model.path", str(final), "--model.backend", "hf", "--generator.engine", "transformers",
+        "--model.path", str(final), "--model.backend", "hf", "--generator.engine", engine,
         "--generator.max-model-len", "96", "--generator.max-tokens", "4",
         "--data.eval", str(data), "--data.images-field", "images", "--reward", "exact=1.0", "--eval.samples", "0",
         "--run.output-dir", str(tmp_path), "--run.name", "eval", "--run.call-timeout-s", "180",
@@ -77,7 +82,8 @@ def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_ima
     assert 0.0 <= result["accuracy"] <= 1.0 and len(result["samples"]) == 5
 
 
-def test_qwen3_vl_sft_on_chat_rows_with_image_files_then_two_grpo_steps(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_qwen3_vl_sft_on_chat_rows_with_image_files_then_two_grpo_steps(tmp_path, engine):
     from meshrl.config import GRPORunConfig, SFTRunConfig
     from meshrl.controller import grpo, sft
     from meshrl.controller.cli import parse_run_config
@@ -105,7 +111,7 @@ def test_qwen3_vl_sft_on_chat_rows_with_image_files_then_two_grpo_steps(tmp_path
     (tmp_path / "data" / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
     argv = [
         "--model.path", summary["final_model"], "--model.backend", "hf", *COMMON,
-        "--generator.engine", "transformers", "--generator.max-model-len", "96", "--generator.max-tokens", "4",
+        "--generator.engine", engine, "--generator.max-model-len", "96", "--generator.max-tokens", "4",
         "--data.train", str(tmp_path / "data" / "rl.jsonl"), "--data.eval", str(tmp_path / "data" / "rl.jsonl"),
         "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2", "--reward", "exact=1.0",
         "--eval.samples", "0", "--run.output-dir", str(tmp_path), "--run.name", "rl",
