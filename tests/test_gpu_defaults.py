@@ -95,6 +95,24 @@ def test_a_cpu_preset_stays_on_cpu_and_says_why(monkeypatch, capsys):
     assert "[meshrl] gpu defaults: not applied (2 GPU(s) seen)" in capsys.readouterr().out
 
 
+def test_a_vision_model_takes_vllm_only_where_torchvision_imports_with_it(monkeypatch, tmp_path, capsys):
+    """vLLM's vision-language models import torchvision: for a checkpoint with a vision tower (or a VLM flavor) the
+    probe imports both, and a machine where vLLM alone imports keeps the transformers engine, saying why."""
+    asked = _describe(monkeypatch, gpus=1, vllm=True)  # 'vllm' imports, 'vllm_vision' does not
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}))
+    cfg = parse_run_config(GRPORunConfig, argv=["--model.path", str(vlm), "--model.backend", "hf"])
+    assert asked == ["vllm_vision"] and cfg.generator.engine == "transformers"
+    assert "torchvision, which its vision-language models import" in capsys.readouterr().out
+    asked.clear()
+    flavor = parse_run_config(GRPORunConfig, argv=["--model.flavor", "tiny-qwen2.5-vl", "--model.backend", "hf"])
+    assert asked == ["vllm_vision"] and flavor.generator.engine == "transformers"
+    asked.clear()
+    text = parse_run_config(GRPORunConfig, argv=["--model.backend", "hf"])
+    assert asked == ["vllm"] and text.generator.engine == "vllm"
+
+
 @pytest.mark.parametrize("gpus", [1, 4])
 def test_the_gpu_preset_takes_the_gpu_defaults(monkeypatch, gpus):
     """gpu-math states the job (a 'small' Qwen3 made in code, two-digit arithmetic, SFT then GRPO) and leaves every

@@ -49,6 +49,8 @@ _PROBES = {
     "vllm": "from vllm import LLM\nimport vllm._C\nfrom vllm.platforms import current_platform\n"
     "assert current_platform.is_cuda(), 'vLLM without CUDA'",
 }
+# vLLM's vision-language models import torchvision too (a torchvision built for another torch fails there).
+_PROBES["vllm_vision"] = _PROBES["vllm"] + "\nimport torchvision"
 _PROBE_TIMEOUT_S = 180.0
 
 
@@ -59,7 +61,9 @@ class Machine:
     gpus: int
     """GPUs this process sees (torch.cuda.device_count(): CUDA_VISIBLE_DEVICES applies)."""
     vllm_cuda: bool = False
-    """vLLM imports here, built with CUDA."""
+    """vLLM imports here, built with CUDA (for a vision-language model: and torchvision with it)."""
+    vision: bool = False
+    """The model is a vision-language model (its checkpoint has a vision tower, or a VLM flavor)."""
     torchtitan: bool = False
     """torchtitan imports here (it does not on every torch: ../shared/GPU.md)."""
     model_type: str | None = None
@@ -108,7 +112,8 @@ def resolve_gpu_defaults(cfg: C, given: Set[str], machine: Machine) -> tuple[C, 
       AdamW state stay --trainer.master-dtype's, float32 by default);
     - --model.backend torchtitan for a Qwen3 model (a new one, or a checkpoint whose config.json says qwen3) when
       torchtitan imports, else hf (any transformers causal LM; LoRA needs it);
-    - --generator.engine vllm when vLLM imports with CUDA, else transformers;
+    - --generator.engine vllm when vLLM imports with CUDA (for a vision-language model: with torchvision), else
+      transformers;
     - --trainer.logprob-chunk-size 4096 (same values to float32 rounding, measured faster);
     - grpo: --placement.gpus N, every GPU seen, in the layout measured fastest (config.GRPORunConfig._lay_out_gpus);
       sft: --trainer.num-procs, one rank per GPU (a power of two that splits the batch).
@@ -155,8 +160,11 @@ def resolve_gpu_defaults(cfg: C, given: Set[str], machine: Machine) -> tuple[C, 
         "bfloat16",
         "the engine computes in bf16" + (", the weights cross in it" if trainer is not None else ""),
     )
-    engine = ("vllm", "vLLM imports with CUDA") if machine.vllm_cuda else ("transformers", "vLLM does not import "
-              "with CUDA here: meshrl's engine, CUDA-graph decode")  # fmt: skip
+    if machine.vllm_cuda:
+        engine = ("vllm", "vLLM imports with CUDA" + (" (and torchvision: a vision model)" if machine.vision else ""))
+    else:
+        missing = "vLLM (with torchvision, which its vision-language models import)" if machine.vision else "vLLM"
+        engine = ("transformers", f"{missing} does not import with CUDA here: meshrl's engine, CUDA-graph decode")
     resolve("generator.engine", *engine)
 
     from meshrl.config import GRPORunConfig, SFTRunConfig
@@ -237,11 +245,16 @@ def detect_machine(cfg: Any, given: Set[str]) -> Machine:
             model_type = read_config(model.path).get("model_type")
         except (ConfigError, OSError):
             model_type = None  # preflight names the problem at launch
+    from meshrl.models.config import VLM_FLAVORS
+    from meshrl.models.vision import is_vision_checkpoint
+
+    vision = is_vision_checkpoint(model.path) if model.path is not None else model.flavor in VLM_FLAVORS
     trains = getattr(cfg, "trainer", None) is not None
     wants_titan = trains and not _is_given(given, "model.backend") and (model.path is None or model_type == "qwen3")
     return Machine(
         gpus=gpus,
-        vllm_cuda=not _is_given(given, "generator.engine") and imports("vllm"),
+        vllm_cuda=not _is_given(given, "generator.engine") and imports("vllm_vision" if vision else "vllm"),
+        vision=vision,
         torchtitan=wants_titan and not model.lora_rank and imports("torchtitan"),
         model_type=model_type,
     )
@@ -256,8 +269,9 @@ def visible_gpus() -> int:
 
 
 def imports(what: str) -> bool:
-    """Whether `what` ('vllm': with CUDA; 'torchtitan') imports in a child process of this interpreter."""
-    if importlib.util.find_spec(what) is None:
+    """Whether `what` ('vllm': with CUDA; 'vllm_vision': that and torchvision; 'torchtitan') imports in a child
+    process of this interpreter."""
+    if importlib.util.find_spec(what.split("_")[0]) is None:
         return False
     try:
         done = subprocess.run([sys.executable, "-c", _PROBES[what]], capture_output=True, timeout=_PROBE_TIMEOUT_S)

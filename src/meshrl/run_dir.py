@@ -231,8 +231,8 @@ class RunConfig:
     """On a machine whose GPUs this process sees (with --placement local), the command line (grpo, sft, eval) fills
     in what you did not give (a flag or the preset): --trainer.device cuda; --model.dtype and --generator.dtype
     bfloat16 (fp32 master weights stay: --trainer.master-dtype); --model.backend torchtitan for a Qwen3 model when
-    torchtitan imports, else hf; --generator.engine vllm when vLLM imports with CUDA, else transformers;
-    --trainer.logprob-chunk-size 4096; grpo: --placement.gpus N (every GPU seen, the measured layout); sft:
+    torchtitan imports, else hf; --generator.engine vllm when vLLM imports with CUDA (a vision-language model: with
+    torchvision), else transformers; --trainer.logprob-chunk-size 4096; grpo: --placement.gpus N (every GPU seen, the measured layout); sft:
     --trainer.num-procs (a rank per GPU). It prints each setting and why (meshrl.gpu_defaults). Without GPUs, or
     with --trainer.device cpu given, nothing changes; a config Python builds is never touched.
     --run.no-gpu-defaults: off."""
