@@ -232,10 +232,10 @@ class RunConfig:
     in what you did not give (a flag or the preset): --trainer.device cuda; --model.dtype and --generator.dtype
     bfloat16 (fp32 master weights stay: --trainer.master-dtype); --model.backend torchtitan for a Qwen3 model when
     torchtitan imports, else hf; --generator.engine vllm when vLLM imports with CUDA (a vision-language model: with
-    torchvision), else transformers; --trainer.logprob-chunk-size 4096; grpo: --placement.gpus N (every GPU seen, the measured layout); sft:
-    --trainer.num-procs (a rank per GPU). It prints each setting and why (meshrl.gpu_defaults). Without GPUs, or
-    with --trainer.device cpu given, nothing changes; a config Python builds is never touched.
-    --run.no-gpu-defaults: off."""
+    torchvision), else transformers; --trainer.logprob-chunk-size 4096; grpo: --placement.gpus N (every GPU seen,
+    the measured layout); sft: --trainer.num-procs (a rank per GPU). It prints each setting and why
+    (meshrl.gpu_defaults). Without GPUs, or with --trainer.device cpu given, nothing changes; a config Python builds
+    is never touched. --run.no-gpu-defaults: off."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
