@@ -131,10 +131,11 @@ LIBRARY_PYTHON_CHILDREN = ("vllm.model_executor.models.registry", "_inductor/com
 # order, modules with the most tests first, pairs programs with in-process tests more often.)
 # xdist's order puts the modules of one or two tests last, and those are whole programs: the run ended with one
 # worker idle while the other finished a program (the last ~2 min of the full lane had a core ~35% idle). So, on top
-# of xdist's order: FIRST_MODULES go out first (a module that mostly sleeps: its idle core goes to the other
-# worker's programs), TAIL_MODULES last (quick in-process modules, ~80 s in all: whichever worker ends its last
-# program first takes them, so the two end within seconds of each other), and a worker gets its next module only
-# when it has one test left (xdist hands it out at two, a program module ahead of time).
+# of xdist's order: FIRST_UNITS go out first, in their order (modules that mostly sleep, on one worker while the
+# other starts the ctl unit: their idle core goes to its processes), TAIL_MODULES last (quick in-process modules,
+# ~80 s in all: whichever worker ends its last program first takes them, so the two end within seconds of each
+# other), and a worker gets its next module only when it has one test left (xdist hands it out at two, a program
+# module ahead of time).
 CTL_MODULES = {
     "test_algorithms_actors",
     "test_generator_transformers_engine",
@@ -145,7 +146,9 @@ CTL_MODULES = {
     "test_weight_sync_shared_buffer",
 }
 CTL_UNIT = "tests/[ctl modules]"
-FIRST_MODULES = ("test_paused_controller",)  # 40 s of its ~48 asleep (a controller paused on purpose)
+# The first worker takes test_paused_controller (a controller paused on purpose for 40 s of ~48), the second the ctl
+# unit, the first then test_faults_issue31 (processes stopped, hung or waited on: mostly asleep, ~50 s).
+FIRST_UNITS = ("test_paused_controller", CTL_UNIT, "test_faults_issue31")  # modules by name, and the ctl unit
 TAIL_MODULES = {  # in-process, each a few seconds on the 2-core machine (full lane, --durations)
     "test_arithmetic_task", "test_cli_exit", "test_devices", "test_doc_flags", "test_env_rows", "test_envs_builtin",
     "test_evaluation", "test_gpu_layout", "test_images", "test_losses", "test_model_hf", "test_observability",
@@ -177,8 +180,13 @@ def pytest_xdist_make_scheduler(config, log):
         def _assign_work_unit(self, node) -> None:
             if not self.ordered:  # the first assignment: xdist's queue is complete, in its order
                 self.ordered = True
-                name = lambda unit: os.path.basename(unit).removesuffix(".py")  # noqa: E731
-                rank = lambda unit: 0 if name(unit) in FIRST_MODULES else 2 if name(unit) in TAIL_MODULES else 1  # noqa: E731
+
+                def rank(unit: str) -> tuple[int, int]:
+                    name = unit if unit == CTL_UNIT else os.path.basename(unit).removesuffix(".py")
+                    if name in FIRST_UNITS:
+                        return 0, FIRST_UNITS.index(name)
+                    return (2 if name in TAIL_MODULES else 1), 0
+
                 for unit in sorted(self.workqueue, key=rank):  # stable: xdist's order within each rank
                     self.workqueue.move_to_end(unit)
             super()._assign_work_unit(node)
@@ -228,7 +236,14 @@ def pytest_collection_modifyitems(config, items):
 def _stale_lane_names() -> list[str]:
     """The modules and tests named in the lane and scheduling tables that are not in tests/ (by file, `def name(`)."""
     here, stale = os.path.dirname(os.path.abspath(__file__)), []
-    for name in (*MODULE_LANES, *TEST_LANES, *SLOW_UNIT, *CTL_MODULES, *FIRST_MODULES, *TAIL_MODULES):
+    for name in (
+        *MODULE_LANES,
+        *TEST_LANES,
+        *SLOW_UNIT,
+        *CTL_MODULES,
+        *TAIL_MODULES,
+        *(u for u in FIRST_UNITS if u != CTL_UNIT),
+    ):
         module, _, test = name.partition("::")
         path = os.path.join(here, f"{module}.py")
         if not os.path.exists(path) or (test and f"def {test}(" not in open(path, encoding="utf-8").read()):
