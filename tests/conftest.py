@@ -131,6 +131,13 @@ LIBRARY_PYTHON_CHILDREN = ("vllm.model_executor.models.registry", "_inductor/com
 # (Handing the longest modules out first was tried and lost: 25.5 min against 22.5. Both workers then ran whole
 # programs side by side for most of the run, 8-10 processes on 2 cores, and each program took longer; xdist's own
 # order, modules with the most tests first, pairs programs with in-process tests more often.)
+# xdist's order puts the modules of one or two tests last, and those are whole programs: the run ended with one
+# worker idle while the other finished a program (the last ~2 min of the full lane had a core ~35% idle). So, on top
+# of xdist's order: FIRST_UNITS go out first, in their order (modules that mostly sleep, on one worker while the
+# other starts the ctl unit: their idle core goes to its processes), TAIL_MODULES last (quick in-process modules,
+# ~80 s in all: whichever worker ends its last program first takes them, so the two end within seconds of each
+# other), and a worker gets its next module only when it has one test left (xdist hands it out at two, a program
+# module ahead of time).
 CTL_MODULES = {
     "test_algorithms_actors",
     "test_generator_transformers_engine",
@@ -141,6 +148,16 @@ CTL_MODULES = {
     "test_weight_sync_shared_buffer",
 }
 CTL_UNIT = "tests/[ctl modules]"
+# The first worker takes test_paused_controller (a controller paused on purpose for 40 s of ~48), the second the ctl
+# unit, the first then test_faults_issue31 (processes stopped, hung or waited on: mostly asleep, ~50 s).
+FIRST_UNITS = ("test_paused_controller", CTL_UNIT, "test_faults_issue31")  # modules by name, and the ctl unit
+TAIL_MODULES = {  # in-process, each a few seconds on the 2-core machine (full lane, --durations)
+    "test_arithmetic_task", "test_cli_exit", "test_devices", "test_doc_flags", "test_env_rows", "test_envs_builtin",
+    "test_evaluation", "test_gpu_layout", "test_images", "test_losses", "test_model_hf", "test_observability",
+    "test_optim", "test_optim_bf16", "test_progress", "test_prompt_data", "test_rewards", "test_run_safety",
+    "test_sft_data", "test_shapes_task", "test_task_setup", "test_titan_import", "test_torchstore_shm",
+    "test_trainer_levers", "test_transformers_engine_vision", "test_types", "test_vision_trainer", "test_vlm_models",
+}  # fmt: skip
 
 
 def _unit_of(nodeid: str) -> str:
@@ -157,8 +174,36 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class SuiteScheduling(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first assignment: xdist's queue is complete, in its order
+                self.ordered = True
+
+                def rank(unit: str) -> tuple[int, int]:
+                    name = unit if unit == CTL_UNIT else os.path.basename(unit).removesuffix(".py")
+                    if name in FIRST_UNITS:
+                        return 0, FIRST_UNITS.index(name)
+                    return (2 if name in TAIL_MODULES else 1), 0
+
+                for unit in sorted(self.workqueue, key=rank):  # stable: xdist's order within each rank
+                    self.workqueue.move_to_end(unit)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            """xdist's, but the next module goes out once the node holds its last test (a worker runs a test when it
+            knows the next one), not two."""
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) > 1:
+                return
+            self._assign_work_unit(node)
 
     return SuiteScheduling(config, log)
 
@@ -191,9 +236,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _stale_lane_names() -> list[str]:
-    """The modules and tests named in the lane tables that are not in tests/ (by file and `def name(`)."""
+    """The modules and tests named in the lane and scheduling tables that are not in tests/ (by file, `def name(`)."""
     here, stale = os.path.dirname(os.path.abspath(__file__)), []
-    for name in (*MODULE_LANES, *TEST_LANES, *SLOW_UNIT):
+    for name in (
+        *MODULE_LANES,
+        *TEST_LANES,
+        *SLOW_UNIT,
+        *CTL_MODULES,
+        *TAIL_MODULES,
+        *(u for u in FIRST_UNITS if u != CTL_UNIT),
+    ):
         module, _, test = name.partition("::")
         path = os.path.join(here, f"{module}.py")
         if not os.path.exists(path) or (test and f"def {test}(" not in open(path, encoding="utf-8").read()):

@@ -104,13 +104,17 @@ def test_grpo_over_two_worker_hosts_with_parity(straight):
     assert len(rl) == 4 and all(r["logprob_diff_max"] < 1e-4 for r in rl), [r["logprob_diff_max"] for r in rl]
 
 
-def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishes_it(out, straight):
+def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishes_it(out, straight, workers):
     """The generator's host dies mid-run: its worker and every process on it (generator, reward) SIGKILLed. The
     generator is found dead within the heartbeat, its replacement is asked of the same host, which starts nothing
     within --placement.spawn-timeout-s: the run ends (no hang) naming the lost host and role, with the resume
-    command. That command, pointed at two fresh workers, finishes the run with the straight run's records. (Steps
-    take a fraction of a second: the controller is paused while the host is killed, so that it dies mid-run.)"""
-    with _workers(2) as (procs, addresses):
+    command. That command, pointed at two live workers (the trainer's host, which served the run, and another),
+    finishes the run with the straight run's records. (Steps take a fraction of a second: the controller is paused
+    while the host is killed, so that it dies mid-run.) The trainer's host and the resume's are the module's
+    workers, which the straight run has finished with: three worker processes fewer to start."""
+    live = workers[1]
+    with _workers(1) as ([doomed], [doomed_address]):
+        addresses = [live[0], doomed_address]  # the trainer's host lives on; the generator's dies
         cmd = _command(out, "k", addresses, "--run.heartbeat-s", "5", "--placement.spawn-timeout-s", "10")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         try:
@@ -120,7 +124,7 @@ def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishe
             assert checkpoint.exists(), "the run wrote no checkpoint at step 2"
             os.kill(proc.pid, signal.SIGSTOP)
             try:  # the host dies: its worker and everything on it
-                for pid in [procs[1].pid, *descendants(procs[1].pid)]:
+                for pid in [doomed.pid, *descendants(doomed.pid)]:
                     os.kill(pid, signal.SIGKILL)
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -139,9 +143,9 @@ def test_a_killed_worker_host_ends_the_run_with_the_resume_command_which_finishe
 
     command = shlex.split(re.search(r"resume with: (.*)", err).group(1))
     assert command[:3] == [sys.executable, "-m", "meshrl.controller.grpo"] and "--placement.workers" in command
-    with _workers(2) as (_, fresh):
-        command[command.index("--placement.workers") + 1] = ",".join(fresh)  # the run's new hosts
-        resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
+    assert command[command.index("--placement.workers") + 1] == ",".join(addresses)
+    command[command.index("--placement.workers") + 1] = ",".join(live)  # the run's hosts now: two live ones
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert re.search(r"resumed from .*step_0000000[24] at step [24]", resumed.stdout), resumed.stdout[-3000:]
     assert _records(out / "k") == straight

@@ -184,6 +184,10 @@ def test_tiny_math_preset_from_a_new_model(tmp_path):
     argv = ["--preset", "tiny-math", "--arithmetic.num-train", "300", "--arithmetic.num-eval", "8"]
     argv += ["--warmup.steps", "3", "--warmup.batch-size", "16", "--grpo.steps", "1", "--grpo.prompts-per-step", "4"]
     argv += ["--trainer.micro-batch-size", "16", "--eval.samples", "2", "--run.output-dir", str(tmp_path)]
+    # One trainer rank and the transformers engine, as the rest of this module (the preset's 2 ranks and vLLM: the
+    # program's path is the point here; 2 ranks with vLLM run in test_grpo_e2e, vLLM on a BPE chat model in
+    # test_architectures_e2e). ~20 CPU-s less on 2 cores.
+    argv += ["--trainer.num-procs", "1", "--generator.engine", "transformers"]
     summary = grpo.main(parse_run_config(GRPORunConfig, argv=argv + ["--run.name", "m", "--run.call-timeout-s", "180"]))
     from transformers import AutoTokenizer
 
