@@ -157,6 +157,7 @@ TAIL_MODULES = {  # in-process, each a few seconds on the 2-core machine (full l
     "test_optim", "test_optim_bf16", "test_progress", "test_prompt_data", "test_rewards", "test_run_safety",
     "test_sft_data", "test_shapes_task", "test_task_setup", "test_titan_import", "test_torchstore_shm",
     "test_trainer_levers", "test_transformers_engine_vision", "test_types", "test_vision_trainer", "test_vlm_models",
+    "test_vllm_engine_vision",
 }  # fmt: skip
 
 
