@@ -51,6 +51,7 @@ _PROBES = {
 }
 # vLLM's vision-language models import torchvision too (a torchvision built for another torch fails there).
 _PROBES["vllm_vision"] = _PROBES["vllm"] + "\nimport torchvision"
+_PROBE_PACKAGE = {"vllm": "vllm", "vllm_vision": "vllm", "torchtitan": "torchtitan"}  # not installed: no probe
 _PROBE_TIMEOUT_S = 180.0
 
 
@@ -271,7 +272,7 @@ def visible_gpus() -> int:
 def imports(what: str) -> bool:
     """Whether `what` ('vllm': with CUDA; 'vllm_vision': that and torchvision; 'torchtitan') imports in a child
     process of this interpreter."""
-    if importlib.util.find_spec(what.split("_")[0]) is None:
+    if importlib.util.find_spec(_PROBE_PACKAGE[what]) is None:
         return False
     try:
         done = subprocess.run([sys.executable, "-c", _PROBES[what]], capture_output=True, timeout=_PROBE_TIMEOUT_S)

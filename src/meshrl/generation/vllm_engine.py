@@ -26,7 +26,7 @@ from meshrl.generation.base import (
 )
 from meshrl.generation.vllm_config import VLLMEngineConfig
 from meshrl.generation.vllm_worker_ext import encode_object, encode_weights
-from meshrl.models.hf_config import stop_token_ids
+from meshrl.models.hf_config import read_config, stop_token_ids
 from meshrl.models.vision import image_token_id, is_vision_checkpoint, placeholder_ids
 from meshrl.types import Completion, SamplingParams
 
@@ -55,14 +55,6 @@ def collapse_runs(ids: list[int], token: int | None) -> list[int]:
 
 _SUPPRESSED = -1.0e9  # the logit bias of a token the model may not write (exp underflows to 0 in any dtype)
 _UPDATE_METHOD = "meshrl_update_weights"  # method of WeightUpdateExtension called through collective_rpc
-
-
-def _has_video_input(model_dir: str) -> bool:
-    """Whether a vision-language checkpoint also takes videos (Qwen-VL families: a video token in its config)."""
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return "video_token_id" in json.load(f)
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -197,7 +189,7 @@ class VLLMEngine:
             # tokenizer (vLLM refuses to build it without one); outputs are still not detokenised (detokenize=False).
             skip_tokenizer_init=not vision,
             # meshrl sends images, never videos: no video budget in vLLM's encoder profiling and cache.
-            **({"limit_mm_per_prompt": {"video": 0}} if vision and _has_video_input(model_dir) else {}),
+            **({"limit_mm_per_prompt": {"video": 0}} if vision and "video_token_id" in read_config(model_dir) else {}),
             logprobs_mode="processed_logprobs",  # logprobs after temperature / top-k / top-p
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
@@ -447,7 +439,10 @@ class VLLMEngine:
         the old vision tower's features (and a worker-side miss of an entry the scheduler still lists is an error
         in vLLM 0.33: 'Encoder cache miss')."""
         self.llm.reset_prefix_cache()
-        if self.image_token_id is not None:
+        self._reset_encoder_cache()
+
+    def _reset_encoder_cache(self) -> None:
+        if self.image_token_id is not None:  # only vision-language models have one
             self.llm.llm_engine.reset_encoder_cache()
 
     # ------------------------------------------------------------------ sleep mode (colocated trainer)
@@ -482,8 +477,7 @@ class VLLMEngine:
             )
         self.llm.wake_up(tags=sorted(self._asleep))
         self._sleep_level, self._asleep = 0, set()
-        if self.image_token_id is not None:  # encoder outputs held across a sleep are not trusted
-            self.llm.llm_engine.reset_encoder_cache()
+        self._reset_encoder_cache()  # encoder outputs held across a sleep are not trusted
 
     def memory(self) -> dict[str, Any]:
         """`base.process_memory` of the engine's device, plus 'sleep_level'. On GPU vLLM's engine core usually runs
