@@ -16,8 +16,9 @@
 #                                            # then bench/one_gpu_memory.py [args]
 #   bash bench/gpu_run.sh sync [args]        # the torch 2.11 stack: bench/weight_sync_ranks.py --gpu (torchstore,
 #                                            # sharded and gathered, beside CUDA IPC; 0.6B shape)
-#   bash bench/gpu_run.sh piece vllm.00      # ... vllm.25 (GPU.md step 4, re-cut with split -b 58M so a piece and
-#                                            # the working tree fit one call), then one of
+#   bash bench/gpu_run.sh piece vllm.00      # ... vllm.27 (GPU.md step 4, re-cut with split -b 54M so a piece and
+#                                            # the working tree fit one call), optionally cudnn.00-09 (torch 2.14's
+#                                            # nvidia-cudnn-cu13==9.24.0.43 wheel, split -b 54M), then one of
 #   bash bench/gpu_run.sh vllm               # TransformersEngine vs generate vs vLLM 0.33 and vLLM's CUDA-IPC weight load, one
 #                                            # run ('vllm-ipc': the load check alone, eager engine)
 #   bash bench/gpu_run.sh vllm-loop [args]   # (carries .whl) the VMM KV-cache GPU test, then
@@ -39,10 +40,16 @@ vllm_stack() {  # vLLM 0.33 + torch 2.14 from the pieces in /tmp/chunks (and any
   if [ ! -d /tmp/site/vllm ]; then
     mkdir -p /tmp/chunks /tmp/vw && { ! ls .chunks/vllm.* >/dev/null 2>&1 || cp .chunks/vllm.* /tmp/chunks/; }
     cat /tmp/chunks/vllm.* > /tmp/vllm.tar && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
+    # torch 2.14's own cuDNN (9.24), where its pieces were sent (cudnn.00-09: split -b 54M of the
+    # nvidia-cudnn-cu13==9.24.0.43 wheel): without it torch 2.14 runs on the machine's older cuDNN, whose SDPA
+    # backward fails (bench/NOTES.md)
+    ! ls /tmp/chunks/cudnn.* >/dev/null 2>&1 \
+      || cat /tmp/chunks/cudnn.* > /tmp/vw/nvidia_cudnn_cu13-9.24.0.43-py3-none-manylinux_2_27_x86_64.whl
     pipi /tmp/site --upgrade /tmp/vw/*.whl || return 1
   fi
   export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD/src
   export LD_PRELOAD=/tmp/site/nvidia/nccl/lib/libnccl.so.2 VLLM_USE_FLASHINFER_SAMPLER=0
+  [ ! -d /tmp/site/nvidia/cudnn/lib ] || export LD_LIBRARY_PATH=/tmp/site/nvidia/cudnn/lib:${LD_LIBRARY_PATH:-}
 }
 
 case "$stage" in
@@ -138,14 +145,16 @@ vision-vllm)
   for d in actors controller configs; do cp -r "$d" /tmp/meshrl-tree/meshrl/ || exit 1; done
   export PYTHONPATH=/tmp/meshrl-tree:$PYTHONPATH:/tmp/sitew
   python3 -c "import torch, torchvision, vllm, transformers, monarch; print('torch', torch.__version__, 'torchvision', \
-torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+torchvision.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'cudnn', \
+torch.backends.cudnn.version(), torch.cuda.get_device_name())"
   if [ -z "${VISION_SKIP_TESTS:-}" ]; then
     # one pytest process per module: vLLM's in-process engines leave process-wide state (its parallel groups) that a
     # raw vllm.LLM after a VLLMEngine's shutdown trips over
     # then the programs on vLLM (SFT, GRPO and eval of both families: test_vision_e2e's vllm cases)
     for m in test_vllm_engine_vision test_vlm_models test_vision_e2e; do
-      only=(); [ $m = test_vision_e2e ] && only=(-k vllm)
-      timeout "${VISION_TESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=5 \
+      only=(); limit=${VISION_TESTS_TIMEOUT:-150}
+      [ $m = test_vision_e2e ] && only=(-k vllm) && limit=${VISION_E2E_TIMEOUT:-300}
+      timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=5 \
         "tests/$m.py" "${only[@]}" > "$OUT/${m}_gpu.log" 2>&1
       echo "== $m"; grep -E "^(FAILED|ERROR)|Error:|^E  |passed|failed" "$OUT/${m}_gpu.log" | cut -c1-300 | tail -20
     done

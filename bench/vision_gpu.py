@@ -56,7 +56,15 @@ def make_model(out: Path, *, tiny: bool, image_size: int) -> Path:
 
 
 def run_program(
-    model: Path, name: str, dtype: str, steps: int, image_size: int, runs: Path, log: Path, engine: str = "transformers"
+    model: Path,
+    name: str,
+    dtype: str,
+    steps: int,
+    image_size: int,
+    runs: Path,
+    log: Path,
+    engine: str = "transformers",
+    extra: tuple[str, ...] = (),
 ) -> float:
     cpu = bool(os.environ.get("VISION_GPU_CPU"))
     flags = {
@@ -68,7 +76,7 @@ def run_program(
         "--warmup.steps": 0, "--eval.samples": 0, "--run.output-dir": runs, "--run.name": name,
     }  # fmt: skip
     args = [sys.executable, "-m", "meshrl.controller.grpo", "--run.no-gpu-defaults"]
-    args += [str(x) for kv in flags.items() for x in kv]
+    args += [str(x) for kv in flags.items() for x in kv] + list(extra)
     t0 = time.perf_counter()
     limit = int(os.environ.get("VISION_GPU_TIMEOUT", 300))
     with open(log, "w") as f:
@@ -111,6 +119,12 @@ def main() -> int:
         help="the generator engine (vllm: the vLLM pieces of bench/gpu_run.sh vision-vllm)",
     )
     ap.add_argument("--rows", default="bf16,fp32", help="which runs, comma-separated: bf16 (speed), fp32 (parity)")
+    ap.add_argument(
+        "--program-args",
+        default="",
+        help="more flags for the program, space-separated (e.g. '--generator.vllm.enforce-eager True'): an A/B row",
+    )
+    ap.add_argument("--tag", default="", help="a suffix for the rows' names and files (e.g. eager), for an A/B row")
     args = ap.parse_args()
     ensure_meshrl_layout()
     out = Path(os.environ.get("OUT", "/tmp/out"))
@@ -130,13 +144,16 @@ def main() -> int:
         if name not in wanted:
             continue
         name = name if args.engine == "transformers" else f"{name}_{args.engine}"
+        name = f"{name}_{args.tag}" if args.tag else name
         run_dir = work / "runs" / name
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)
         log = out / f"vision_gpu_{name}.log"
-        wall = run_program(model, name, dtype, steps, image_size, work / "runs", log, args.engine)
+        wall = run_program(
+            model, name, dtype, steps, image_size, work / "runs", log, args.engine, tuple(args.program_args.split())
+        )
         for f in ("metrics.jsonl", "timeline.png"):
             if (run_dir / f).exists():
                 (out / f"vision_gpu_{name}_{f}").write_bytes((run_dir / f).read_bytes())
@@ -145,9 +162,8 @@ def main() -> int:
         except (OSError, StopIteration, statistics.StatisticsError):
             rows[name] = {"failed": True}
             print(f"{name}: FAILED; the log's end:\n" + "".join(open(log).readlines()[-25:]), flush=True)
-    (out / f"vision_gpu{'' if args.engine == 'transformers' else '_' + args.engine}.json").write_text(
-        json.dumps(rows, indent=1)
-    )
+    suffix = ("" if args.engine == "transformers" else "_" + args.engine) + (f"_{args.tag}" if args.tag else "")
+    (out / f"vision_gpu{suffix}.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'run':10} {'steps':>5} {'step s':>7} {'generate':>8} {'train':>6} {'sync s':>7} {'diff mean':>10} "
           f"{'diff max':>9} {'peak GiB':>8} {'wall s':>6}")  # fmt: skip
     for name, r in rows.items():

@@ -22,6 +22,13 @@ ENGINES = ["transformers", pytest.param("vllm", marks=[needs_cuda, needs_torchvi
 COMMON = ["--trainer.num-procs", "1", "--trainer.micro-batch-size", "8", "--run.call-timeout-s", "180"]
 
 
+def _engine_flags(engine: str) -> list[str]:
+    """The generator flags for `engine`. float32 throughout (the GPU defaults would choose bf16, where the logprob
+    bound below does not hold); vLLM eager, as a test needs no CUDA graphs (bench/vision_gpu.py runs them)."""
+    flags = ["--generator.engine", engine, "--generator.dtype", "float32"]
+    return flags + (["--generator.vllm.enforce-eager", "True"] if engine == "vllm" else [])
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -51,7 +58,7 @@ def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_ima
     from meshrl.controller.cli import parse_run_config
 
     argv = [
-        "--preset", "tiny-vision", *COMMON, "--generator.engine", engine,
+        "--preset", "tiny-vision", *COMMON, "--model.dtype", "float32", *_engine_flags(engine),
         "--shapes.num-train", "64", "--shapes.num-eval", "8",
         "--warmup.steps", "2", "--warmup.batch-size", "8",
         "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2",
@@ -73,7 +80,7 @@ def test_qwen2_5_vl_sft_warmup_then_grpo_on_shapes_and_eval_of_the_export_on_ima
     data = tmp_path / "data" / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = [
-        "--model.path", str(final), "--model.backend", "hf", "--generator.engine", engine,
+        "--model.path", str(final), "--model.backend", "hf", *_engine_flags(engine),
         "--generator.max-model-len", "96", "--generator.max-tokens", "4",
         "--data.eval", str(data), "--data.images-field", "images", "--reward", "exact=1.0", "--eval.samples", "0",
         "--run.output-dir", str(tmp_path), "--run.name", "eval", "--run.call-timeout-s", "180",
@@ -99,7 +106,7 @@ def test_qwen3_vl_sft_on_chat_rows_with_image_files_then_two_grpo_steps(tmp_path
     ]  # fmt: skip
     (tmp_path / "data" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
     argv = [
-        "--model.path", str(base), "--model.backend", "hf", *COMMON,
+        "--model.path", str(base), "--model.backend", "hf", "--model.dtype", "float32", *COMMON,
         "--data.train", str(tmp_path / "data" / "sft.jsonl"), "--data.eval", str(tmp_path / "data" / "sft.jsonl"),
         "--sft.batch-size", "8", "--sft.max-steps", "2", "--sft.no-eval-generate",
         "--run.output-dir", str(tmp_path), "--run.name", "sft",
@@ -110,8 +117,8 @@ def test_qwen3_vl_sft_on_chat_rows_with_image_files_then_two_grpo_steps(tmp_path
     prompts = [{"messages": c["messages"][:1], "answer": c["messages"][1]["content"]} for c in chat]
     (tmp_path / "data" / "rl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
     argv = [
-        "--model.path", summary["final_model"], "--model.backend", "hf", *COMMON,
-        "--generator.engine", engine, "--generator.max-model-len", "96", "--generator.max-tokens", "4",
+        "--model.path", summary["final_model"], "--model.backend", "hf", "--model.dtype", "float32", *COMMON,
+        *_engine_flags(engine), "--generator.max-model-len", "96", "--generator.max-tokens", "4",
         "--data.train", str(tmp_path / "data" / "rl.jsonl"), "--data.eval", str(tmp_path / "data" / "rl.jsonl"),
         "--grpo.steps", "2", "--grpo.prompts-per-step", "4", "--grpo.group-size", "2", "--reward", "exact=1.0",
         "--eval.samples", "0", "--run.output-dir", str(tmp_path), "--run.name", "rl",
