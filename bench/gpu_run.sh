@@ -151,9 +151,10 @@ torch.backends.cudnn.version(), torch.cuda.get_device_name())"
     # one pytest process per module: vLLM's in-process engines leave process-wide state (its parallel groups) that a
     # raw vllm.LLM after a VLLMEngine's shutdown trips over
     # then the programs on vLLM (SFT, GRPO and eval of both families: test_vision_e2e's vllm cases)
-    for m in test_vllm_engine_vision test_vlm_models test_vision_e2e; do
+    # (VISION_TEST_MODULES: other modules; VISION_E2E_K: which of test_vision_e2e's vllm cases, e.g. qwen3)
+    for m in ${VISION_TEST_MODULES:-test_vllm_engine_vision test_vlm_models test_vision_e2e}; do
       only=(); limit=${VISION_TESTS_TIMEOUT:-150}
-      [ $m = test_vision_e2e ] && only=(-k vllm) && limit=${VISION_E2E_TIMEOUT:-300}
+      [ $m = test_vision_e2e ] && only=(-v -k "vllm and ${VISION_E2E_K:-vl}") && limit=${VISION_E2E_TIMEOUT:-300}
       timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:xdist -rs --durations=5 \
         "tests/$m.py" "${only[@]}" > "$OUT/${m}_gpu.log" 2>&1
       echo "== $m"; grep -E "^(FAILED|ERROR)|Error:|^E  |passed|failed" "$OUT/${m}_gpu.log" | cut -c1-300 | tail -20

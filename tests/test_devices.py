@@ -4,6 +4,7 @@ without a GPU (the pinning is an environment variable set before CUDA starts).""
 from __future__ import annotations
 
 import pytest
+from markers import needs_cuda
 
 from meshrl.config import ConfigError, GeneratorConfig, TrainerConfig
 from meshrl.devices import device_of, pin_process
@@ -74,3 +75,33 @@ def test_machine_identity_is_shared_by_the_processes_of_this_machine():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == machine_identity() and machine_identity().count("/") == 2
+
+
+def test_float32_on_a_gpu_turns_off_tf32_convolutions_and_nothing_else_does(monkeypatch):
+    import torch
+
+    from meshrl.devices import ieee_float32_convolutions
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # torch's default; restored after the test
+    assert not ieee_float32_convolutions("float32", "cpu") and torch.backends.cudnn.allow_tf32
+    assert not ieee_float32_convolutions("bfloat16", "cuda:0") and torch.backends.cudnn.allow_tf32
+    assert ieee_float32_convolutions("float32", "cuda:0") and not torch.backends.cudnn.allow_tf32
+    assert torch.backends.cudnn.conv.fp32_precision in ("ieee", "none")  # torch's reads of either API still work
+
+
+@needs_cuda
+def test_a_float32_patch_embedding_convolution_equals_its_matmul_on_a_gpu(monkeypatch):
+    """A vision tower's patch embedding as transformers runs it (Conv3d, stride = kernel) and as vLLM does (a
+    float32 matmul over the flattened patches) agree once float32 convolutions are IEEE; TF32 (torch's default for
+    cuDNN) left them ~1e-3 apart relative on an H100 at the real tower's size."""
+    import torch
+
+    from meshrl.devices import ieee_float32_convolutions
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv3d(3, 1280, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).cuda()
+    x = torch.randn(256, 3, 2, 14, 14, generator=gen).cuda()
+    matmul = x.flatten(1) @ conv.weight.flatten(1).T
+    ieee_float32_convolutions("float32", "cuda")
+    torch.testing.assert_close(conv(x).flatten(1), matmul, rtol=1e-5, atol=1e-5)

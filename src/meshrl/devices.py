@@ -61,6 +61,22 @@ def pin_process(devices: Sequence[int] | None, rank: int) -> int | None:
     return device
 
 
+def ieee_float32_convolutions(dtype: str, device: str | object) -> bool:
+    """cuDNN convolutions without TF32 in this process, where `dtype` is float32 on a CUDA `device`; returns whether
+    it set them so. torch lets cuDNN multiply float32 convolutions in TF32 by default (cudnn.allow_tf32 is True,
+    unlike matmuls), so a vision tower's patch embedding (a Conv3d) ran in TF32 in the trainer and the transformers
+    engine, while vLLM computes it as a float32 matmul: on one H100 the real-sized Qwen2.5-VL tower's sampled-token
+    logprobs differed from vLLM's by up to 2.5e-3 (bench/NOTES.md). float32 is the parity setting, so its
+    convolutions are IEEE. The legacy flag, not `cudnn.conv.fp32_precision`: setting the conv flag alone makes
+    torch's own reads of the legacy flag raise (conv and RNN would then differ)."""
+    import torch
+
+    if dtype != "float32" or torch.device(device).type != "cuda":
+        return False
+    torch.backends.cudnn.allow_tf32 = False
+    return True
+
+
 def use_expandable_segments() -> bool:
     """This process's CUDA allocations go into expandable segments (TrainerConfig.expandable_segments), unless the
     user set PYTORCH_CUDA_ALLOC_CONF: theirs stands. Returns whether they are on."""

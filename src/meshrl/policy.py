@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from meshrl.batching import activation_bytes_per_token, pack_rows, token_budget
-from meshrl.devices import use_expandable_segments
+from meshrl.devices import ieee_float32_convolutions, use_expandable_segments
 from meshrl.losses import LossBatch, check_loss_spec, compute_loss
 from meshrl.models import qwen3
 from meshrl.models.config import ModelConfig, TrainerConfig
@@ -144,6 +144,7 @@ class Policy:
         self.pad_id = pad_id
         if trainer_cfg.master_dtype == "bfloat16" and model_cfg.dtype != "bfloat16":
             raise ValueError(f"master_dtype='bfloat16' needs param_dtype='bfloat16' (got {model_cfg.dtype!r})")
+        ieee_float32_convolutions(model_cfg.dtype, self.device)
         if model_cfg.backend == "hf":  # any transformers causal LM; imports neither torchtitan nor vLLM
             from meshrl.models.hf_backend import HFBackend
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from meshrl.devices import ieee_float32_convolutions
 from meshrl.generation.base import DTYPES, check_prompts, check_sleep_level, check_tokens, process_memory
 from meshrl.generation.transformers_engine.config import TransformersEngineConfig
 from meshrl.generation.transformers_engine.model_runner import ModelRunner
@@ -72,6 +73,7 @@ class TransformersEngine:
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        ieee_float32_convolutions(dtype, self.device)  # as the trainer's, so that both compute alike
         self.runner = ModelRunner(
             model_dir,
             self.config,
