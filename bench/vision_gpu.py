@@ -79,17 +79,34 @@ def run_program(
     args += [str(x) for kv in flags.items() for x in kv] + list(extra)
     t0 = time.perf_counter()
     limit = int(os.environ.get("VISION_GPU_TIMEOUT", 300))
+    marker = f"{name}-{os.getpid()}-{time.time_ns()}"
     with open(log, "w") as f:
         # Its own session, so that a run over the limit is stopped with its actor processes; the steps it wrote to
         # metrics.jsonl are still summarised.
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "VISION_GPU_RUN": marker}
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             print(f"{name}: stopped at the {limit} s limit (VISION_GPU_TIMEOUT); summarising the steps it logged")
+    # Processes outside the run's process group (a vLLM EngineCore under a Monarch process that has its own) outlive
+    # a killed run and keep their GPU memory: on one H100 an orphaned EngineCore kept 48 GiB, and the next run's vLLM
+    # refused to start. They inherited the marker.
+    _kill_marked(marker)
     return time.perf_counter() - t0
+
+
+def _kill_marked(marker: str) -> None:
+    needle = f"VISION_GPU_RUN={marker}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if needle in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+                os.kill(int(pid), signal.SIGKILL)
+                print(f"killed process {pid}, left over from the run", flush=True)
+        except OSError:
+            pass
 
 
 def summarise(run_dir: Path, wall_s: float) -> dict:
