@@ -26,6 +26,7 @@ import shutil
 import sys
 from typing import Any
 
+from meshrl import proc_zygote
 from meshrl.controller.futures import ActorDiedError
 from meshrl.errors import ConfigError
 from meshrl.placement import PlacementConfig
@@ -77,7 +78,7 @@ class Provisioner:
         if self.cfg.kind == "local":
             from monarch.actor import this_host
 
-            return this_host().spawn_procs(per_host={"procs": num})
+            return this_host().spawn_procs(per_host={"procs": num}, bootstrap_command=_local_bootstrap())
         mesh, hosts = self._hosts_for(role)
         if role in ("generator", "reward"):
             return self._spawn_replica(role, mesh, hosts, num)
@@ -296,6 +297,19 @@ def _is_loopback(address: str) -> bool:
     Monarch cannot serve TCP at a host name that resolves to loopback only."""
     host = address.rsplit("@", 1)[-1].split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _local_bootstrap() -> Any:
+    """Monarch's default bootstrap command, or, with MESHRL_PROC_ZYGOTE=1, the same command served by a zygote
+    that forks each process with torch already imported (meshrl.proc_zygote)."""
+    if not proc_zygote.enabled():
+        return None
+    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+    from monarch._src.actor.proc_mesh import _get_bootstrap_args  # what default_bootstrap_cmd() is made of
+
+    program, args, env = _get_bootstrap_args()
+    program, args = proc_zygote.bootstrap_args(program, list(args or []))
+    return BootstrapCommand(program, None, args, env)
 
 
 def _check_role(role: str) -> None:

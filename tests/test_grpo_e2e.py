@@ -57,7 +57,9 @@ def run_dir(tmp_path_factory):
         "--run.call-timeout-s",
         "120",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # Processes started cold, as a user's run starts them (the rest of the suite forks them: tests/conftest.py).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MESHRL_PROC_ZYGOTE": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "held-out (correct = exact_match >= 1), before RL: greedy accuracy" in proc.stdout
     assert "supervised warm-up" in proc.stdout
