@@ -32,7 +32,11 @@ import tempfile
 import threading
 
 ENV_FLAG = "MESHRL_PROC_ZYGOTE"
-PRELOAD = ("torch", "numpy")
+# What every actor process imports, heaviest first (CPU-s each on the 2-core machine, after torch): torch 2.0, the
+# trainer's torchtitan model (with its import-time torch.compile calls deferred, meshrl.models.titan_import) 2.3,
+# transformers' auto classes 1-3 (the hf trainer, the transformers engine, tokenizers), DTensor 0.8. None of them
+# starts a thread or touches CUDA when imported.
+PRELOAD = ("torch", "numpy", "torch.distributed.tensor", "transformers")
 
 # The client Monarch starts (`python -S -c CLIENT SOCKET ARGV...`): no site packages, ~15 ms. It sends a length-
 # prefixed JSON header with its fds 0-2, reads the child's pid, forwards signals, and ends as the child ended.
@@ -127,6 +131,14 @@ def serve(path: str, parent_pid: int) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - their modules load now
+
+    try:
+        from meshrl.models.titan_import import import_torchtitan_qwen3
+
+        import_torchtitan_qwen3()
+    except ImportError:  # torchtitan is optional for the hf backend
+        pass
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen(64)
