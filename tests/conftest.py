@@ -24,8 +24,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 # Actor processes fork from a process that has torch imported (meshrl.proc_zygote) instead of importing it each:
 # ~2 CPU-s less per process, a fifth of the suite's CPU (192 Monarch processes in the full lane, 2026-11-27). The
-# program started as the README starts it (test_grpo_e2e) runs without it, as users' runs do by default.
-os.environ.setdefault("MESHRL_PROC_ZYGOTE", "1")
+# program started as the README starts it (test_grpo_e2e) runs without it, as users' runs do by default. CPU
+# machines only: it has not run on a GPU yet.
+if not torch.cuda.is_available():
+    os.environ.setdefault("MESHRL_PROC_ZYGOTE", "1")
 torch.set_num_threads(1)
 
 
