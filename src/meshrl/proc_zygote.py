@@ -1,19 +1,21 @@
 """Actor processes forked from a warm process instead of started cold (opt-in: MESHRL_PROC_ZYGOTE=1).
 
-Every Monarch process of a run is a new Python interpreter that imports torch before it does anything: ~2 CPU-s
-each on the 2-core CPU machine, a fifth of the test suite's CPU (192 processes, 2026-11-27, tests/README.md).
-The zygote is one process per controller that has imported torch and numpy and then only forks: Monarch starts a
+Every Monarch process of a run is a new Python interpreter that imports torch, transformers and torchtitan before
+it does anything: 4-6 CPU-s each on the 2-core CPU machine, most of the test suite's CPU (192 processes at 6.3 CPU-s,
+2026-11-27, tests/README.md). The zygote is one process per controller that has imported them (`PRELOAD`) and then
+only forks: Monarch starts a
 tiny client instead of `python -m monarch._src.actor.bootstrap_main` (`bootstrap_args`), the client hands the
 zygote its argv, environment, working directory and standard streams, and the zygote forks a child that runs the
 bootstrap module with them. The child is the actor process (its pid is the one the actor reports); the client
 stays as what Monarch started: it forwards signals to the child and exits as the child did (its code, or killed by
 the same signal), and if the client is killed the zygote kills the child. The same design as multiprocessing's
-forkserver, which Monarch's own bootstrap uses for its children.
+forkserver, which Monarch's own bootstrap uses for its children. Processes on this machine only (the local
+placement, `meshrl.controller.provision`): processes on other hosts start as their host's Monarch starts them.
 
 The zygote imports nothing of Monarch (its runtime starts threads, and a process that forks must have none) and
 never touches CUDA, so each child starts its own runtime and CUDA context as a spawned process would. What a
-preloaded module reads from the environment at import comes from the controller's environment; torch and numpy
-read nothing there that meshrl's processes set differently (their thread counts are set explicitly). After the fork
+preloaded module reads from the environment at import comes from the controller's environment, which meshrl's
+processes inherit unchanged (their thread counts and devices are set at run time, after the fork). After the fork
 the child reseeds numpy's global generator (Python's `random` reseeds itself), as a spawned process would differ.
 """
 
