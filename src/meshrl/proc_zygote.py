@@ -25,6 +25,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -82,12 +83,16 @@ def _ensure_zygote() -> str:
     with _lock:
         if _zygote is not None and _zygote[0].poll() is None:
             return _zygote[1]
-        path = os.path.join(tempfile.mkdtemp(prefix="meshrl-zygote-"), "sock")
+        # A Unix socket's path holds at most 107 bytes: a long TMPDIR gives way to /tmp.
+        where = None if len(tempfile.gettempdir()) < 64 else "/tmp"
+        folder = tempfile.mkdtemp(prefix="meshrl-zygote-", dir=where)
+        path = os.path.join(folder, "sock")
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshrl.proc_zygote", path, str(os.getpid())], stdout=subprocess.PIPE
         )
         if proc.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"the process zygote did not start (exit {proc.wait()})")
+        atexit.register(shutil.rmtree, folder, True)
         atexit.register(proc.kill)
         _zygote = (proc, path)
         return path
