@@ -307,8 +307,10 @@ def _local_bootstrap() -> Any:
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch._src.actor.proc_mesh import _get_bootstrap_args  # what default_bootstrap_cmd() is made of
 
-    program, args, env = _get_bootstrap_args()
-    program, args = proc_zygote.bootstrap_args(program, list(args or []))
+    _, args, env = _get_bootstrap_args()
+    if not args:  # a packaged binary (PAR) bootstraps itself: it starts as Monarch starts it
+        return None
+    program, args = proc_zygote.bootstrap_args(list(args))
     return BootstrapCommand(program, None, args, env)
 
 

@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no downloads at run time: a miss
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")) if p
 )
-# Actor processes fork from a process that has torch imported (meshrl.proc_zygote) instead of importing it each:
-# ~2 CPU-s less per process, a fifth of the suite's CPU (192 Monarch processes in the full lane, 2026-11-27). The
+# Actor processes fork from a process that has torch, transformers and torchtitan imported (meshrl.proc_zygote)
+# instead of importing them each: 4-6 CPU-s less per process; full lane 1128 -> 788-840 s (tests/README.md). The
 # program started as the README starts it (test_grpo_e2e) runs without it, as users' runs do by default. CPU
 # machines only: it has not run on a GPU yet.
 if not torch.cuda.is_available():

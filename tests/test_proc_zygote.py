@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _client(tmp_path, *args: str) -> subprocess.Popen:
-    program, argv = proc_zygote.bootstrap_args(sys.executable, ["-m", "zygote_child", *args])
+    program, argv = proc_zygote.bootstrap_args(["-m", "zygote_child", *args])
     env = {**os.environ, "ZYGOTE_TEST": "passed on", "PYTHONPATH": HERE}
     return subprocess.Popen([program, *argv], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
 

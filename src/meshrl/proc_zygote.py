@@ -2,7 +2,7 @@
 
 Every Monarch process of a run is a new Python interpreter that imports torch, transformers and torchtitan before
 it does anything: 4-6 CPU-s each on the 2-core CPU machine, most of the test suite's CPU (192 processes at 6.3 CPU-s,
-2026-11-27, tests/README.md). The zygote is one process per controller that has imported them (`PRELOAD`) and then
+2026-11-27, tests/README.md). The zygote is one process per controller that has imported them (`_preload`) and then
 only forks: Monarch starts a
 tiny client instead of `python -m monarch._src.actor.bootstrap_main` (`bootstrap_args`), the client hands the
 zygote its argv, environment, working directory and standard streams, and the zygote forks a child that runs the
@@ -35,11 +35,6 @@ import tempfile
 import threading
 
 ENV_FLAG = "MESHRL_PROC_ZYGOTE"
-# What every actor process imports, heaviest first (CPU-s each on the 2-core machine, after torch): torch 2.0, the
-# trainer's torchtitan model (with its import-time torch.compile calls deferred, meshrl.models.titan_import) 2.3,
-# transformers' auto classes 1-3 (the hf trainer, the transformers engine, tokenizers), DTensor 0.8. None of them
-# starts a thread or touches CUDA when imported.
-PRELOAD = ("torch", "numpy", "torch.distributed.tensor", "transformers")
 
 # The client Monarch starts (`python -S -c CLIENT SOCKET ARGV...`): no site packages, ~15 ms. It sends a length-
 # prefixed JSON header with its fds 0-2, reads the child's pid, forwards signals, and ends as the child ended.
@@ -72,9 +67,11 @@ def enabled() -> bool:
     return os.environ.get(ENV_FLAG, "") == "1"
 
 
-def bootstrap_args(program: str, args: list[str]) -> tuple[str, list[str]]:
-    """The program and arguments that start `program args` (Monarch's bootstrap command, a Python interpreter) from
+def bootstrap_args(args: list[str]) -> tuple[str, list[str]]:
+    """The program and arguments that start `python -m MODULE ...` (`args`: Monarch's bootstrap command's) from
     this process's zygote, started here on first use."""
+    if args[:1] != ["-m"] or len(args) < 2:
+        raise ValueError(f"the process zygote starts `python -m MODULE ...` only, not python {args}")
     return sys.executable, ["-S", "-c", CLIENT, _ensure_zygote(), *args]
 
 
@@ -125,20 +122,19 @@ def _run_child(request: dict, fds: list[int]) -> None:
     import numpy as np
 
     np.random.seed()
-    argv = request["argv"]
-    if argv[1:2] != ["-m"]:
-        raise SystemExit(f"the process zygote runs `python -m MODULE ...` only, not {argv}")
+    argv = request["argv"]  # [python, "-m", MODULE, ...] (bootstrap_args checked it)
     sys.argv = [argv[0], *argv[3:]]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
 
 
-def serve(path: str, parent_pid: int) -> None:
-    """The zygote: preload, then fork a child per request until the controller that started it is gone."""
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - their modules load now
+def _preload() -> None:
+    """What every actor process imports, heaviest first (CPU-s each on the 2-core machine): torch 2.0, the trainer's
+    torchtitan model (its import-time torch.compile calls deferred, meshrl.models.titan_import) 2.3, transformers'
+    auto classes 1-3 (the hf trainer, the transformers engine, tokenizers), DTensor 0.8. None of them starts a
+    thread or touches CUDA when imported."""
+    import numpy  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     try:
         from meshrl.models.titan_import import import_torchtitan_qwen3
@@ -146,6 +142,11 @@ def serve(path: str, parent_pid: int) -> None:
         import_torchtitan_qwen3()
     except ImportError:  # torchtitan is optional for the hf backend
         pass
+
+
+def serve(path: str, parent_pid: int) -> None:
+    """The zygote: preload, then fork a child per request until the controller that started it is gone."""
+    _preload()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen(64)
@@ -182,10 +183,11 @@ def serve(path: str, parent_pid: int) -> None:
                 code = 0
                 try:
                     _run_child(request, fds)
-                except SystemExit as e:
-                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                    if not isinstance(e.code, int) and e.code is not None:
-                        print(e.code, file=sys.stderr)
+                except SystemExit as e:  # as the interpreter treats it: None is 0, a message is printed and 1
+                    code = e.code or 0
+                    if not isinstance(code, int):
+                        print(code, file=sys.stderr)
+                        code = 1
                 except BaseException:  # noqa: BLE001 - reported as a spawned interpreter would
                     import traceback
 
